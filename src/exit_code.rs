@@ -1,0 +1,29 @@
+//! Every exit status spotguard itself chooses, in one place. Anything else is the command's
+//! own status passed through (128 + N when a signal N killed it).
+
+/// Bad usage: an unknown flag, a bad value, no command.
+pub const USAGE: u8 = 2;
+/// spotguard could not set itself up (state dir, signal handlers).
+pub const SETUP_FAILED: u8 = 70;
+/// The final upload or commit failed: the newest checkpoint is not durable.
+#[expect(dead_code, reason = "returned once checkpoints are uploaded")]
+pub const UPLOAD_FAILED: u8 = 74;
+/// A preemption notice (a cloud's, or SIGTERM/SIGINT to spotguard) stopped the command.
+/// Relaunch on a new machine: the work resumes from the last checkpoint.
+pub const PREEMPTED: u8 = 75;
+/// The command exists but could not be executed (as in a shell).
+pub const NOT_EXECUTABLE: u8 = 126;
+/// The command was not found (as in a shell).
+pub const NOT_FOUND: u8 = 127;
+
+/// The table `--help` and README show.
+pub const HELP: &str = "\
+Exit status:
+  N     the command's own exit status (0-255), passed through
+  128+N the command was killed by signal N
+  2     bad usage (unknown flag, bad value, no command)
+  70    spotguard could not set itself up
+  74    the final upload or commit failed
+  75    a preemption notice stopped the command (relaunch to resume)
+  126   the command could not be executed
+  127   the command was not found";
