@@ -40,9 +40,42 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run a command, stop it cleanly on a preemption notice, pass its exit status through.
+    /// Run a command, upload its checkpoints, stop it cleanly on a preemption notice.
     #[command(after_help = RUN_AFTER_HELP)]
     Run(RunArgs),
+    /// List a job's committed checkpoints.
+    Ls(LsArgs),
+}
+
+/// Where a job's checkpoints are stored.
+#[derive(Debug, Args)]
+pub struct StoreArgs {
+    /// Job name: names the state dir and the job's prefix in the store.
+    #[arg(long, env = "SPOTGUARD_JOB", default_value = "default", value_parser = parse_job)]
+    pub job: String,
+
+    /// Object store for checkpoints: s3://bucket/prefix, gs://..., az://..., file:///path or a
+    /// path [default: <state root>/store, a local directory]. S3-compatible services:
+    /// AWS_ENDPOINT_URL=http://host:port.
+    #[arg(long, env = "SPOTGUARD_STORE", value_name = "URL")]
+    pub store: Option<String>,
+
+    /// An object_store setting, e.g. aws_virtual_hosted_style_request=true (repeatable).
+    #[arg(long = "store-option", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    pub store_options: Vec<(String, String)>,
+
+    /// Local state root [default: $XDG_STATE_HOME/spotguard or ~/.local/state/spotguard].
+    #[arg(long, env = "SPOTGUARD_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// One JSON object with every checkpoint, for scripts.
+    #[arg(long)]
+    pub json: bool,
 }
 
 const RUN_AFTER_HELP: &str = "\
@@ -51,6 +84,7 @@ The command gets these environment variables:
   SPOTGUARD_STATE_DIR    the job's local state dir
   SPOTGUARD_NOTICE_FILE  a JSON file (source, kind, deadline) that exists once a
                          preemption notice has come
+  SPOTGUARD_CHECKPOINT_DIR  where to write checkpoints
 
 Signals: SIGINT and SIGTERM start a stop (a second one kills at once); SIGHUP,
 SIGQUIT, SIGUSR1, SIGUSR2 and SIGWINCH are forwarded to the command's process group.
@@ -59,10 +93,17 @@ Endpoint overrides (for tests and proxies): AWS_EC2_METADATA_SERVICE_ENDPOINT,
 GCE_METADATA_HOST, SPOTGUARD_AZURE_METADATA_ENDPOINT, SPOTGUARD_ALIYUN_METADATA_ENDPOINT,
 SPOTGUARD_TENCENT_METADATA_ENDPOINT, SPOTGUARD_VOLCENGINE_METADATA_ENDPOINT.
 
+Checkpoints: each direct entry of SPOTGUARD_CHECKPOINT_DIR is one checkpoint. It is
+uploaded as soon as it is complete: renamed into place (names starting with '.' or ending
+in .tmp/.partial are ignored until then), a NAME.complete marker beside it, a PyTorch DCP
+dir with .metadata, a Hugging Face checkpoint-N/ with trainer_state.json, a closed
+Lightning .ckpt, or anything else after --settle without writes.
+
 Exit status:
   N     the command's own exit status, passed through (128+N: killed by signal N)
+  74    the newest checkpoint could not be uploaded
   75    a preemption notice stopped the command (relaunch to resume)
-  2, 70, 74, 126, 127: see spotguard --help";
+  2, 70, 126, 127: see spotguard --help";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum CloudArg {
@@ -80,13 +121,29 @@ pub enum CloudArg {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Job name: names the state dir (and, later, the checkpoints in the store).
-    #[arg(long, env = "SPOTGUARD_JOB", default_value = "default", value_parser = parse_job)]
-    pub job: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
 
-    /// Local state dir [default: $XDG_STATE_HOME/spotguard or ~/.local/state/spotguard].
-    #[arg(long, env = "SPOTGUARD_STATE_DIR", value_name = "DIR")]
-    pub state_dir: Option<PathBuf>,
+    /// Where the command writes checkpoints, one file or directory each (e.g. a Hugging Face
+    /// Trainer output_dir) [default: <state root>/jobs/<job>/checkpoints].
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+
+    /// Committed checkpoints to keep in the store; older ones are deleted after each commit.
+    #[arg(long, value_name = "N", default_value = "3", value_parser = clap::value_parser!(u32).range(1..))]
+    pub keep: u32,
+
+    /// A checkpoint no rule recognises is complete after this long without writes.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub settle: Duration,
+
+    /// Multipart upload part size (at least 5MiB).
+    #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_part_size)]
+    pub part_size: u64,
+
+    /// Parts uploaded at once; memory use is about part size × this.
+    #[arg(long, value_name = "N", default_value = "8", value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub upload_concurrency: u32,
 
     /// Which cloud's metadata service announces preemptions.
     #[arg(long, value_enum, default_value = "auto", env = "SPOTGUARD_CLOUD")]
@@ -105,8 +162,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "30s", env = "SPOTGUARD_GRACE", value_parser = parse_duration)]
     pub grace: Duration,
 
-    /// The command is SIGKILLed this long before a notice's deadline.
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    /// The command is SIGKILLed this long before a notice's deadline: the time kept for the
+    /// final upload and commit.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub safety_margin: Duration,
 
     /// Signal that tells the command to stop [default: the signal received, SIGTERM for cloud
@@ -143,6 +201,42 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Ok(Duration::from_secs(secs));
     }
     humantime::parse_duration(s).map_err(|e| format!("{e} (expected e.g. 30s, 2m, 1h)"))
+}
+
+/// `16MiB`, `8M`, `5242880`: binary units (K, M, G with or without `iB`).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("not a size: {s:?} (expected e.g. 16MiB)"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("unknown size unit {other:?} (expected K, M or G)")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size too large: {s}"))
+}
+
+/// S3 parts are at least 5 MiB (except the last) and at most 5 GiB.
+fn parse_part_size(s: &str) -> Result<u64, String> {
+    let n = parse_size(s)?;
+    if !(5 << 20..=5 << 30).contains(&n) {
+        return Err("the part size must be between 5MiB and 5GiB".into());
+    }
+    Ok(n)
+}
+
+/// `key=value`.
+fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_owned(), v.to_owned()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
 }
 
 /// `TERM`, `SIGTERM`, `sigterm` or `15`.
@@ -210,6 +304,15 @@ mod tests {
         assert_eq!(parse_duration("30"), Ok(Duration::from_secs(30)));
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
         assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("16MiB"), Ok(16 << 20));
+        assert_eq!(parse_size("8M"), Ok(8 << 20));
+        assert_eq!(parse_size("1024"), Ok(1024));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_part_size("1MiB").is_err());
     }
 
     #[test]

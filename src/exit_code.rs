@@ -3,10 +3,9 @@
 
 /// Bad usage: an unknown flag, a bad value, no command.
 pub const USAGE: u8 = 2;
-/// spotguard could not set itself up (state dir, signal handlers).
+/// spotguard could not set itself up (state dir, store, signal handlers).
 pub const SETUP_FAILED: u8 = 70;
 /// The final upload or commit failed: the newest checkpoint is not durable.
-#[expect(dead_code, reason = "returned once checkpoints are uploaded")]
 pub const UPLOAD_FAILED: u8 = 74;
 /// A preemption notice (a cloud's, or SIGTERM/SIGINT to spotguard) stopped the command.
 /// Relaunch on a new machine: the work resumes from the last checkpoint.
@@ -22,8 +21,8 @@ Exit status:
   N     the command's own exit status (0-255), passed through
   128+N the command was killed by signal N
   2     bad usage (unknown flag, bad value, no command)
-  70    spotguard could not set itself up
-  74    the final upload or commit failed
+  70    spotguard could not set itself up (state dir, store unreachable)
+  74    the newest checkpoint could not be uploaded and committed
   75    a preemption notice stopped the command (relaunch to resume)
   126   the command could not be executed
   127   the command was not found";

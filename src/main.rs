@@ -10,11 +10,16 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use clap::error::{ContextKind, ErrorKind};
+use spotguard_checkpoint::{CheckpointOptions, bytes};
 use spotguard_notice::{Cloud, Endpoints, WatchOptions};
-use spotguard_session::{CloudChoice, Outcome, RunOptions};
+use spotguard_session::{Checkpoints, CloudChoice, RunOptions};
+use spotguard_store::{Instance, Store, StoreOptions, UploadOptions};
 use tracing::error;
 
-use crate::cli::{Cli, CloudArg, Command, RunArgs};
+use crate::cli::{Cli, CloudArg, Command, LsArgs, RunArgs, StoreArgs};
+
+/// How long the start-up check of the store may take.
+const STORE_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -42,20 +47,148 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> u8 {
     match command {
         Command::Run(args) => run_command(args).await,
+        Command::Ls(args) => ls(args).await,
     }
 }
 
+/// Opens and checks the store named by `args`; a one-line error otherwise.
+async fn open_store(args: &StoreArgs) -> Result<Store, String> {
+    let url = match &args.store {
+        Some(url) => url.clone(),
+        None => state_root(args)
+            .join("store")
+            .to_string_lossy()
+            .into_owned(),
+    };
+    let opts = StoreOptions {
+        config: args.store_options.clone(),
+        ..StoreOptions::default()
+    };
+    let store = Store::open(&url, &opts).map_err(|e| e.to_string())?;
+    store
+        .check(STORE_CHECK_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(store)
+}
+
+fn state_root(args: &StoreArgs) -> PathBuf {
+    args.state_dir.clone().unwrap_or_else(default_state_dir)
+}
+
+async fn ls(args: LsArgs) -> u8 {
+    let store = match open_store(&args.store).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!("{e}");
+            return exit_code::SETUP_FAILED;
+        }
+    };
+    let job = store.job(&args.store.job);
+    let manifests = match job.committed().await {
+        Ok(m) => m,
+        Err(e) => {
+            error!("{e}");
+            return exit_code::SETUP_FAILED;
+        }
+    };
+    if args.json {
+        let list: Vec<_> = manifests
+            .iter()
+            .map(|m| {
+                serde_json::json!({
+                    "seq": m.seq, "name": m.name, "kind": m.kind, "bytes": m.total_bytes,
+                    "files": m.file_count(), "created": m.created, "rule": m.rule,
+                    "instance": m.instance,
+                })
+            })
+            .collect();
+        let doc =
+            serde_json::json!({ "store": store.url(), "job": args.store.job, "checkpoints": list });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&doc).expect("JSON serializes")
+        );
+        return 0;
+    }
+    if manifests.is_empty() {
+        eprintln!(
+            "no committed checkpoints for job {} in {}",
+            args.store.job,
+            store.url()
+        );
+        return 0;
+    }
+    println!(
+        "{:>6}  {:<32} {:>10} {:>6}  {:<20}  RULE",
+        "SEQ", "NAME", "SIZE", "FILES", "CREATED"
+    );
+    for m in &manifests {
+        println!(
+            "{:>6}  {:<32} {:>10} {:>6}  {:<20}  {}",
+            m.seq,
+            m.name,
+            bytes(m.total_bytes),
+            m.file_count(),
+            m.created,
+            m.rule
+        );
+    }
+    0
+}
+
 async fn run_command(args: RunArgs) -> u8 {
-    let opts = match run_options(args) {
+    let mut opts = match run_options(&args) {
         Ok(opts) => opts,
         Err(msg) => {
             eprintln!("spotguard: error: {msg}");
             return exit_code::USAGE;
         }
     };
+    // The store is checked before the command starts: a typo or a missing credential fails
+    // now, not at the first checkpoint an hour in.
+    let store = match open_store(&args.store).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!("{e}");
+            return exit_code::SETUP_FAILED;
+        }
+    };
+    let dir = args.checkpoint_dir.clone().unwrap_or_else(|| {
+        opts.state_dir
+            .join("jobs")
+            .join(&opts.job)
+            .join("checkpoints")
+    });
+    opts.checkpoints = Some(Checkpoints {
+        dir,
+        store: store.job(&opts.job),
+        opts: CheckpointOptions {
+            settle: args.settle,
+            keep: args.keep as usize,
+            upload: UploadOptions {
+                part_size: args.part_size as usize,
+                concurrency: args.upload_concurrency as usize,
+                instance: Instance {
+                    hostname: hostname(),
+                    ..Instance::default()
+                },
+                ..UploadOptions::default()
+            },
+            ..CheckpointOptions::default()
+        },
+    });
     match spotguard_session::run(opts).await {
-        Ok(Outcome::Exited(end)) => end.exit_code(),
-        Ok(Outcome::Preempted { .. }) => exit_code::PREEMPTED,
+        Ok(outcome) if outcome.upload_failed() => {
+            error!(
+                "exiting with {}: the newest checkpoint is not durable (the command {})",
+                exit_code::UPLOAD_FAILED,
+                outcome.end
+            );
+            exit_code::UPLOAD_FAILED
+        }
+        Ok(outcome) if outcome.preempted.is_some() => exit_code::PREEMPTED,
+        Ok(outcome) => outcome.end.exit_code(),
         Err(spotguard_session::Error::Spawn(e)) => {
             error!("{e}");
             match e.exit_code() {
@@ -70,7 +203,7 @@ async fn run_command(args: RunArgs) -> u8 {
     }
 }
 
-fn run_options(args: RunArgs) -> Result<RunOptions, String> {
+fn run_options(args: &RunArgs) -> Result<RunOptions, String> {
     let cloud = match args.cloud {
         CloudArg::Auto => CloudChoice::Auto,
         CloudArg::None => CloudChoice::None,
@@ -88,9 +221,8 @@ fn run_options(args: RunArgs) -> Result<RunOptions, String> {
         };
         endpoints = endpoints.with(c, url);
     }
-    let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
-    let mut opts = RunOptions::new(args.command, state_dir);
-    opts.job = args.job;
+    let mut opts = RunOptions::new(args.command.clone(), state_root(&args.store));
+    opts.job = args.store.job.clone();
     opts.cloud = cloud;
     opts.endpoints = endpoints;
     opts.watch = WatchOptions {
@@ -104,6 +236,12 @@ fn run_options(args: RunArgs) -> Result<RunOptions, String> {
     opts.notice_signal = args.notice_signal;
     opts.simulate = args.simulate_preemption;
     Ok(opts)
+}
+
+fn hostname() -> String {
+    nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// `$XDG_STATE_HOME/spotguard`, else `~/.local/state/spotguard`, else a dir under /tmp.

@@ -9,6 +9,7 @@ use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
+use spotguard_checkpoint::{CheckpointOptions, Checkpointer, FlushReport, bytes};
 use spotguard_notice::{
     Cloud, Endpoints, Notice, NoticeKind, NoticeSource, Simulated, Source, WatchOptions,
 };
@@ -17,7 +18,7 @@ use spotguard_supervise::{
 };
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 pub use state::StateDir;
 
@@ -62,6 +63,16 @@ pub struct RunOptions {
     pub linger: Duration,
     /// How long auto-detection may take.
     pub detect_timeout: Duration,
+    /// Where checkpoints are written and where they go; `None` runs without them.
+    pub checkpoints: Option<Checkpoints>,
+}
+
+/// Checkpoints of the run: the local dir the command writes into and the job's store.
+#[derive(Clone, Debug)]
+pub struct Checkpoints {
+    pub dir: PathBuf,
+    pub store: spotguard_store::JobStore,
+    pub opts: CheckpointOptions,
 }
 
 impl RunOptions {
@@ -82,22 +93,29 @@ impl RunOptions {
             simulate: None,
             linger: Duration::from_secs(5),
             detect_timeout: Duration::from_secs(2),
+            checkpoints: None,
         }
     }
 }
 
 /// How the run ended.
 #[derive(Debug)]
-pub enum Outcome {
-    /// The command ended on its own; its status passes through.
-    Exited(ProcessEnd),
-    /// A Terminate notice stopped the command.
-    Preempted {
-        notice: Box<Notice>,
-        end: ProcessEnd,
-        /// Whether it had to be SIGKILLed.
-        killed: bool,
-    },
+pub struct Outcome {
+    /// How the command ended.
+    pub end: ProcessEnd,
+    /// The Terminate notice that stopped it, if one did.
+    pub preempted: Option<Box<Notice>>,
+    /// Whether it had to be SIGKILLed.
+    pub killed: bool,
+    /// What the final upload made durable (`None` without checkpoints).
+    pub flush: Option<FlushReport>,
+}
+
+impl Outcome {
+    /// The newest complete checkpoint did not reach the store.
+    pub fn upload_failed(&self) -> bool {
+        self.flush.as_ref().is_some_and(FlushReport::failed)
+    }
 }
 
 /// Why the run could not start.
@@ -114,6 +132,8 @@ pub enum Error {
     },
     #[error("failed to install signal handlers: {0}")]
     Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Checkpoints(#[from] spotguard_checkpoint::Error),
 }
 
 /// A stop in progress: the notice that started it and when the command will be killed.
@@ -145,8 +165,20 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
         .env("SPOTGUARD_JOB", &opts.job)
         .env("SPOTGUARD_STATE_DIR", state.path())
         .env("SPOTGUARD_NOTICE_FILE", state.notice_file());
+    // Watch before the command starts, so no checkpoint it writes is missed.
+    let checkpointer = match &opts.checkpoints {
+        Some(c) => {
+            let ckpt = Checkpointer::start(&c.dir, c.store.clone(), c.opts.clone()).await?;
+            cmd.env("SPOTGUARD_CHECKPOINT_DIR", &c.dir);
+            Some(ckpt)
+        }
+        None => None,
+    };
     let mut sup = Supervisor::spawn(cmd)?;
     info!(pid = sup.pid().as_raw(), job = %opts.job, "started {}", display_command(&opts.command));
+    if let Some(c) = &opts.checkpoints {
+        info!(dir = %c.dir.display(), store = %c.store.url(), "checkpoints are uploaded as they complete");
+    }
 
     let (tx, mut notices) = mpsc::channel::<Notice>(16);
     let watched: Arc<OnceLock<Arc<dyn NoticeSource>>> = Arc::new(OnceLock::new());
@@ -177,8 +209,30 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
     sup.finish(opts.stop_signal.unwrap_or(Signal::SIGTERM), linger)
         .await;
 
+    let exited_at = SystemTime::now();
+
+    // Make what the command saved durable before the deadline (no deadline without a stop:
+    // the retries bound it).
+    let flush = match checkpointer {
+        Some(ckpt) => {
+            let deadline = stop
+                .as_ref()
+                .and_then(|s| s.notice.deadline)
+                .map(instant_at);
+            let report = ckpt.flush(deadline, end.success()).await;
+            log_flush(&report);
+            Some(report)
+        }
+        None => None,
+    };
+
     let Some(stop) = stop else {
-        return Ok(Outcome::Exited(end));
+        return Ok(Outcome {
+            end,
+            preempted: None,
+            killed: false,
+            flush,
+        });
     };
     // The work is as safe as it will get: let the platform proceed (Azure's early ack).
     if let Some(source) = watched.get()
@@ -190,20 +244,51 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
             Err(_) => warn!("failed to acknowledge the notice: timed out"),
         }
     }
+    let now = SystemTime::now();
+    let since =
+        |t: SystemTime, from: SystemTime| humanize(t.duration_since(from).unwrap_or_default());
     let left = stop
         .notice
         .deadline
-        .map(|d| d.duration_since(SystemTime::now()).unwrap_or_default());
+        .map(|d| d.duration_since(now).unwrap_or_default());
     info!(
         source = %stop.notice.source,
-        "stopped by a preemption notice{}",
-        left.map(|l| format!("; {} left before the deadline", humanize(l))).unwrap_or_default()
+        "stopped by a preemption notice: command stopped {} after the notice, upload and commit took {}{}",
+        since(exited_at, stop.notice.received),
+        since(now, exited_at),
+        left.map(|l| format!(", {} left before the deadline", humanize(l))).unwrap_or_default()
     );
-    Ok(Outcome::Preempted {
-        notice: Box::new(stop.notice),
+    Ok(Outcome {
         end,
+        preempted: Some(Box::new(stop.notice)),
         killed: stop.killed,
+        flush,
     })
+}
+
+/// The tokio instant of a wall-clock deadline.
+fn instant_at(t: SystemTime) -> Instant {
+    Instant::now() + t.duration_since(SystemTime::now()).unwrap_or_default()
+}
+
+/// What was made durable and what was not, loudly when something was not.
+fn log_flush(r: &FlushReport) {
+    for c in &r.committed {
+        info!(checkpoint = %c.name, seq = c.seq, "durable: {} in {:.1}s", bytes(c.bytes), c.elapsed.as_secs_f64());
+    }
+    for (name, why) in &r.not_durable {
+        error!(checkpoint = %name, "NOT durable: {why}");
+    }
+    for (name, why) in &r.incomplete {
+        warn!(checkpoint = %name, "not uploaded, it was never complete: {why}");
+    }
+    match &r.newest {
+        Some((name, true)) => info!(checkpoint = %name, "the newest checkpoint is committed"),
+        Some((name, false)) => {
+            error!(checkpoint = %name, "the newest checkpoint could not be made durable")
+        }
+        None => debug!("no new checkpoint to upload"),
+    }
 }
 
 /// Starts the notice sources in the background: nothing here may delay the command.
