@@ -94,6 +94,7 @@ def main():
         step, w, b = load(resume)
         print(f"resumed from {resume} at step {step}", flush=True)
 
+    print(f"training from step {step}", flush=True)
     while step < a.steps:
         w, b = train_step(w, b, step)
         step += 1

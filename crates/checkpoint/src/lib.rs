@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use notify::event::{ModifyKind, RenameMode};
+use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use spotguard_store::{JobStore, LocalCheckpoint, Manifest, UploadOptions, UploadReport};
 use tokio::sync::{mpsc, oneshot};
@@ -251,6 +251,13 @@ impl Actor {
                 return;
             }
         };
+        // Opens and reads (ours included: every scan opens the dirs) are not writes. Only a
+        // close after writing is.
+        if let EventKind::Access(kind) = ev.kind
+            && kind != AccessKind::Close(AccessMode::Write)
+        {
+            return;
+        }
         let now = Instant::now();
         // For a rename within the watched tree `paths` is [from, to]: the entry that
         // matters is where it went.

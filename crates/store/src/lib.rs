@@ -131,7 +131,10 @@ impl Store {
             |k: &str, e: object_store::Error| bad(format!("bad store option {k}: {e}"));
         let inner: Arc<dyn ObjectStore> = match scheme {
             "s3" | "s3a" => {
-                let mut b = AmazonS3Builder::from_env().with_url(url);
+                let mut b = AmazonS3Builder::from_env()
+                    .with_url(url)
+                    .with_client_options(client)
+                    .with_retry(retry);
                 // S3-compatibles on plain HTTP (a local server, a private MinIO): the URL is
                 // the user's explicit choice.
                 let endpoint = std::env::var("AWS_ENDPOINT_URL_S3")
@@ -146,36 +149,27 @@ impl Store {
                 for (k, v) in &opts.config {
                     b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
                 }
-                Arc::new(
-                    b.with_client_options(client)
-                        .with_retry(retry)
-                        .build()
-                        .map_err(|e| bad(one_line(&e)))?,
-                )
+                Arc::new(b.build().map_err(|e| bad(one_line(&e)))?)
             }
             "gs" => {
-                let mut b = GoogleCloudStorageBuilder::from_env().with_url(url);
+                let mut b = GoogleCloudStorageBuilder::from_env()
+                    .with_url(url)
+                    .with_client_options(client)
+                    .with_retry(retry);
                 for (k, v) in &opts.config {
                     b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
                 }
-                Arc::new(
-                    b.with_client_options(client)
-                        .with_retry(retry)
-                        .build()
-                        .map_err(|e| bad(one_line(&e)))?,
-                )
+                Arc::new(b.build().map_err(|e| bad(one_line(&e)))?)
             }
             "az" | "azure" | "abfs" | "abfss" => {
-                let mut b = MicrosoftAzureBuilder::from_env().with_url(url);
+                let mut b = MicrosoftAzureBuilder::from_env()
+                    .with_url(url)
+                    .with_client_options(client)
+                    .with_retry(retry);
                 for (k, v) in &opts.config {
                     b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
                 }
-                Arc::new(
-                    b.with_client_options(client)
-                        .with_retry(retry)
-                        .build()
-                        .map_err(|e| bad(one_line(&e)))?,
-                )
+                Arc::new(b.build().map_err(|e| bad(one_line(&e)))?)
             }
             other => {
                 return Err(bad(format!(
@@ -204,6 +198,11 @@ impl Store {
             root: Path::default(),
             url: display.to_owned(),
         })
+    }
+
+    /// The underlying `object_store`, for what spotguard does not wrap.
+    pub fn object_store(&self) -> Arc<dyn ObjectStore> {
+        self.inner.clone()
     }
 
     /// The URL as given (credentials redacted), for messages.
@@ -266,7 +265,8 @@ impl JobStore {
     }
 
     /// Every committed checkpoint, oldest first. Only manifests count: data without one is an
-    /// upload that never finished.
+    /// upload that never finished. A manifest that cannot be read is skipped with a warning:
+    /// it names nothing a reader could trust.
     pub async fn committed(&self) -> Result<Vec<Manifest>, Error> {
         let metas: Vec<_> = self
             .inner()
@@ -279,7 +279,11 @@ impl JobStore {
             if self.layout.manifest_seq(&meta.location).is_none() {
                 continue;
             }
-            out.push(self.read_manifest(&meta.location).await?);
+            match self.read_manifest(&meta.location).await {
+                Ok(m) => out.push(m),
+                Err(e @ Error::Manifest { .. }) => tracing::warn!("skipping {e}"),
+                Err(e) => return Err(e),
+            }
         }
         out.sort_by_key(|m| m.seq);
         Ok(out)

@@ -65,7 +65,11 @@ impl JobStore {
         opts: &UploadOptions,
     ) -> Result<UploadReport, Error> {
         let started = Instant::now();
-        let committed = self.committed().await?;
+        let attempts = opts.attempts;
+        let committed = retrying("listing committed checkpoints", attempts, || {
+            self.committed()
+        })
+        .await?;
         // Unchanged-file candidates: same path inside the checkpoint, size and mtime.
         let mut previous: HashMap<(&str, u64, i128), &FileEntry> = HashMap::new();
         for m in &committed {
@@ -113,7 +117,10 @@ impl JobStore {
             entries.push(entry);
         }
         entries.sort_by(|a, b| a.path.cmp(&b.path));
-        self.verify(&entries).await?;
+        retrying("verifying the uploaded objects", attempts, || {
+            self.verify(&entries)
+        })
+        .await?;
 
         let mut manifest = Manifest {
             format: FORMAT,
@@ -134,39 +141,52 @@ impl JobStore {
         };
         // The commit point. Create-if-absent: a sequence number is never overwritten.
         for _ in 0..5 {
-            let body = serde_json::to_vec_pretty(&manifest).expect("manifests serialize");
-            let put = PutOptions {
-                mode: PutMode::Create,
-                ..PutOptions::default()
-            };
-            match self
-                .inner()
-                .put_opts(&self.layout().manifest(seq), PutPayload::from(body), put)
-                .await
-            {
-                Ok(_) => {
-                    return Ok(UploadReport {
-                        manifest,
-                        sent_bytes: sent,
-                        reused_files: reused,
-                        elapsed: started.elapsed(),
-                    });
-                }
-                Err(object_store::Error::AlreadyExists { .. }) => {
-                    warn!(
-                        seq,
-                        "manifest sequence number taken by another writer; using the next"
-                    );
-                    seq += 1;
-                    manifest.seq = seq;
-                }
-                Err(e) => return Err(self.error(&e)),
+            let key = self.layout().manifest(seq);
+            let created = retrying("committing the manifest", attempts, || {
+                self.create_manifest(&key, &manifest)
+            })
+            .await?;
+            if created {
+                return Ok(UploadReport {
+                    manifest,
+                    sent_bytes: sent,
+                    reused_files: reused,
+                    elapsed: started.elapsed(),
+                });
             }
+            warn!(
+                seq,
+                "manifest sequence number taken by another writer; using the next"
+            );
+            seq += 1;
+            manifest.seq = seq;
         }
         Err(Error::Store {
             url: self.url().to_owned(),
             reason: "no free manifest sequence number".into(),
         })
+    }
+
+    /// Writes `manifest` at `key` unless something is there: true when it is ours (a retry
+    /// whose first attempt did land finds its own manifest), false when another writer's.
+    async fn create_manifest(&self, key: &Path, manifest: &Manifest) -> Result<bool, Error> {
+        let body = serde_json::to_vec_pretty(manifest).expect("manifests serialize");
+        let put = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
+        };
+        match self
+            .inner()
+            .put_opts(key, PutPayload::from(body), put)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(self
+                .read_manifest(key)
+                .await
+                .is_ok_and(|there| &there == manifest)),
+            Err(e) => Err(self.error(&e)),
+        }
     }
 
     /// Sends one file, unless an earlier checkpoint stored the same bytes; then its object is
@@ -335,6 +355,29 @@ impl JobStore {
         }
         Ok(())
     }
+}
+
+/// Runs `op` up to `attempts` times with exponential backoff while it fails in the store
+/// (not on local errors, which a retry cannot mend), logging each failure with its reason.
+pub(crate) async fn retrying<T, F, Fut>(what: &str, attempts: usize, op: F) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
+    op.retry(
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(500))
+            .with_max_delay(Duration::from_secs(10))
+            .with_max_times(attempts.saturating_sub(1)),
+    )
+    .when(|e| matches!(e, Error::Store { .. } | Error::Verify { .. }))
+    .notify(|e, wait| {
+        warn!(
+            "{what} failed, retrying in {}: {e}",
+            humantime::format_duration(wait)
+        )
+    })
+    .await
 }
 
 /// Reads a file part by part on the blocking pool, checksumming each part while it is hot in
