@@ -7,6 +7,7 @@
 
 mod layout;
 mod manifest;
+mod restore;
 mod retention;
 mod scan;
 mod upload;
@@ -26,6 +27,7 @@ use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 
 pub use layout::Layout;
 pub use manifest::{EntryKind, FileEntry, Instance, Manifest};
+pub use restore::{RestoreOptions, RestoreReport, check_paths};
 pub use retention::RetentionReport;
 pub use scan::{LocalCheckpoint, LocalFile};
 pub use upload::{UploadOptions, UploadReport};
@@ -56,6 +58,9 @@ pub enum Error {
     /// A manifest could not be understood.
     #[error("bad manifest {key}: {reason}")]
     Manifest { key: String, reason: String },
+    /// A manifest entry that would land outside the restore target.
+    #[error("refusing to restore {entry}: {reason}")]
+    Unsafe { entry: String, reason: String },
     /// The deadline passed before the work was done.
     #[error("deadline passed while {doing}")]
     Deadline { doing: String },

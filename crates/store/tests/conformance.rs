@@ -6,7 +6,9 @@ use std::path::Path as FsPath;
 use std::sync::Arc;
 
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
-use spotguard_store::{Error, JobStore, LocalCheckpoint, Store, StoreOptions, UploadOptions};
+use spotguard_store::{
+    Error, JobStore, LocalCheckpoint, RestoreOptions, Store, StoreOptions, UploadOptions,
+};
 use spotguard_testkit::{Kind, S3Server};
 
 /// A store and whatever keeps it alive.
@@ -328,6 +330,122 @@ async fn a_file_changed_during_upload_is_not_committed(b: Backend) {
     assert!(job.committed().await.expect("list").is_empty());
 }
 
+fn ropts() -> RestoreOptions {
+    RestoreOptions {
+        part_size: 5 << 20,
+        concurrency: 4,
+        ..RestoreOptions::default()
+    }
+}
+
+async fn restore_verifies_and_skips_identical_copies(b: Backend) {
+    let job = b.store.job("train");
+    let raw = b.store.object_store();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let ckpt = tmp.path().join("src/step-3");
+    write(&ckpt.join("model.bin"), &noise(11 << 20, 7));
+    write(&ckpt.join("sub/opt.bin"), &noise(3000, 8));
+    write(&ckpt.join("empty"), b"");
+    let m = job
+        .upload(
+            &LocalCheckpoint::scan(&ckpt).expect("scan"),
+            "renamed",
+            &opts(),
+        )
+        .await
+        .expect("upload")
+        .manifest;
+
+    let dest = tmp.path().join("fresh");
+    let rep = job.restore(&m, &dest, &ropts()).await.expect("restore");
+    assert_eq!(rep.path, dest.join("step-3"));
+    assert_eq!(rep.fetched_bytes, m.total_bytes);
+    for f in &m.files {
+        let a = std::fs::read(ckpt.join(&f.path)).expect("source");
+        let b = std::fs::read(rep.path.join(&f.path)).expect("restored");
+        assert!(a == b, "{} differs after restore", f.path);
+    }
+    // Restored files carry the committed mtimes: the checkpoint reads as unchanged.
+    let again = LocalCheckpoint::scan(&rep.path).expect("scan");
+    assert_eq!(
+        again.fingerprint(),
+        m.files
+            .iter()
+            .map(|f| (f.path.clone(), f.size, f.mtime_ns))
+            .collect::<Vec<_>>()
+    );
+
+    // The same machine restarting: an identical copy downloads nothing.
+    let rep = job
+        .restore(&m, &dest, &ropts())
+        .await
+        .expect("restore again");
+    assert_eq!(rep.fetched_bytes, 0);
+    // One damaged file: only it is fetched.
+    write(&dest.join("step-3/sub/opt.bin"), &noise(3000, 99));
+    let rep = job.restore(&m, &dest, &ropts()).await.expect("repair");
+    assert_eq!(rep.fetched_bytes, 3000);
+    assert_eq!(
+        std::fs::read(dest.join("step-3/sub/opt.bin")).expect("read"),
+        noise(3000, 8)
+    );
+
+    // Bytes changed in the store (same size): the checksum catches it, nothing is swapped in.
+    let key = &m
+        .files
+        .iter()
+        .find(|f| f.path == "sub/opt.bin")
+        .expect("file")
+        .key;
+    raw.put(
+        &job.layout().absolute(key),
+        PutPayload::from(noise(3000, 100)),
+    )
+    .await
+    .expect("corrupt");
+    let other = tmp.path().join("other");
+    let res = job.restore(&m, &other, &ropts()).await;
+    assert!(matches!(res, Err(Error::Verify { .. })), "{res:?}");
+    assert!(
+        !other.join("step-3").exists(),
+        "a damaged checkpoint was put in place"
+    );
+}
+
+#[test]
+fn restore_refuses_paths_outside_the_target() {
+    let m = |name: &str, path: &str| spotguard_store::Manifest {
+        format: 1,
+        job: "j".into(),
+        seq: 1,
+        name: name.into(),
+        kind: spotguard_store::EntryKind::Dir,
+        rule: "renamed".into(),
+        created: String::new(),
+        instance: Default::default(),
+        total_bytes: 0,
+        files: vec![spotguard_store::FileEntry {
+            path: path.into(),
+            size: 0,
+            mtime_ns: 0,
+            crc64nvme: String::new(),
+            key: "k".into(),
+        }],
+    };
+    for (name, path) in [
+        ("ok", "../escape"),
+        ("ok", "/etc/passwd"),
+        ("ok", "a/../../b"),
+        ("..", "x"),
+        ("a/b", "x"),
+        ("ok", "a//b"),
+    ] {
+        let err = spotguard_store::check_paths(&m(name, path)).expect_err(path);
+        assert!(err.to_string().contains("refusing to restore"), "{err}");
+    }
+    assert!(spotguard_store::check_paths(&m("step-1", "sub/w.bin")).is_ok());
+}
+
 macro_rules! suite {
     ($backend:ident, $make:expr) => {
         mod $backend {
@@ -352,6 +470,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_unfinished_upload_is_invisible_and_collected() {
                 super::an_unfinished_upload_is_invisible_and_collected($make).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn restore_verifies_and_skips_identical_copies() {
+                super::restore_verifies_and_skips_identical_copies($make).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_file_changed_during_upload_is_not_committed() {
