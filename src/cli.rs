@@ -45,6 +45,30 @@ pub enum Command {
     Run(RunArgs),
     /// List a job's committed checkpoints.
     Ls(LsArgs),
+    /// Restore a job's newest complete checkpoint, for re-provisioning scripts.
+    #[command(after_help = RESUME_AFTER_HELP)]
+    Resume(ResumeArgs),
+}
+
+const RESUME_AFTER_HELP: &str = "\
+Prints the restored checkpoint's path on stdout (or, with --print-env, shell export
+lines for SPOTGUARD_RESUME_DIR, SPOTGUARD_RESUME_NAME and SPOTGUARD_RESUME_SEQ).
+
+Exit status:
+  0     restored
+  3     the job has no checkpoint yet (start fresh)
+  70    error (store unreachable, every checkpoint damaged, ...)";
+
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Directory to restore into [default: the job's checkpoint dir].
+    #[arg(long, value_name = "DIR")]
+    pub to: Option<PathBuf>,
+    /// Print `export` lines for a shell to eval instead of the path.
+    #[arg(long)]
+    pub print_env: bool,
 }
 
 /// Where a job's checkpoints are stored.
@@ -85,6 +109,8 @@ The command gets these environment variables:
   SPOTGUARD_NOTICE_FILE  a JSON file (source, kind, deadline) that exists once a
                          preemption notice has come
   SPOTGUARD_CHECKPOINT_DIR  where to write checkpoints
+  SPOTGUARD_RESUME_DIR   the restored newest committed checkpoint, when there is one
+                         (SPOTGUARD_RESUME_NAME and SPOTGUARD_RESUME_SEQ name it)
 
 Signals: SIGINT and SIGTERM start a stop (a second one kills at once); SIGHUP,
 SIGQUIT, SIGUSR1, SIGUSR2 and SIGWINCH are forwarded to the command's process group.
@@ -140,6 +166,10 @@ pub struct RunArgs {
     /// Multipart upload part size (at least 5MiB).
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_part_size)]
     pub part_size: u64,
+
+    /// Start without restoring the newest committed checkpoint.
+    #[arg(long)]
+    pub no_resume: bool,
 
     /// Parts uploaded at once; memory use is about part size × this.
     #[arg(long, value_name = "N", default_value = "8", value_parser = clap::value_parser!(u32).range(1..=256))]

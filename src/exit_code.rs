@@ -3,6 +3,8 @@
 
 /// Bad usage: an unknown flag, a bad value, no command.
 pub const USAGE: u8 = 2;
+/// `spotguard resume`: the job has no committed checkpoint yet (start fresh).
+pub const NOTHING_TO_RESUME: u8 = 3;
 /// spotguard could not set itself up (state dir, store, signal handlers).
 pub const SETUP_FAILED: u8 = 70;
 /// The final upload or commit failed: the newest checkpoint is not durable.
@@ -21,6 +23,7 @@ Exit status:
   N     the command's own exit status (0-255), passed through
   128+N the command was killed by signal N
   2     bad usage (unknown flag, bad value, no command)
+  3     spotguard resume: the job has no checkpoint yet
   70    spotguard could not set itself up (state dir, store unreachable)
   74    the newest checkpoint could not be uploaded and committed
   75    a preemption notice stopped the command (relaunch to resume)

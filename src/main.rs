@@ -13,10 +13,12 @@ use clap::error::{ContextKind, ErrorKind};
 use spotguard_checkpoint::{CheckpointOptions, bytes};
 use spotguard_notice::{Cloud, Endpoints, WatchOptions};
 use spotguard_session::{Checkpoints, CloudChoice, RunOptions};
-use spotguard_store::{Instance, Store, StoreOptions, UploadOptions};
+use spotguard_store::{
+    Instance, Manifest, RestoreOptions, RestoreReport, Store, StoreOptions, UploadOptions,
+};
 use tracing::error;
 
-use crate::cli::{Cli, CloudArg, Command, LsArgs, RunArgs, StoreArgs};
+use crate::cli::{Cli, CloudArg, Command, LsArgs, ResumeArgs, RunArgs, StoreArgs};
 
 /// How long the start-up check of the store may take.
 const STORE_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -48,7 +50,82 @@ async fn run(command: Command) -> u8 {
     match command {
         Command::Run(args) => run_command(args).await,
         Command::Ls(args) => ls(args).await,
+        Command::Resume(args) => resume(args).await,
     }
+}
+
+/// The job's checkpoint dir when none is given.
+fn default_checkpoint_dir(args: &StoreArgs) -> PathBuf {
+    state_root(args)
+        .join("jobs")
+        .join(&args.job)
+        .join("checkpoints")
+}
+
+/// Restores the newest committed checkpoint into `dir`, logging what it did.
+async fn restore_newest(
+    job: &spotguard_store::JobStore,
+    dir: &std::path::Path,
+) -> Result<Option<(Manifest, RestoreReport)>, String> {
+    let found = job
+        .restore_newest(dir, &RestoreOptions::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    match &found {
+        Some((m, rep)) => tracing::info!(
+            seq = m.seq,
+            checkpoint = %m.name,
+            "restored the newest complete checkpoint: {} ({} downloaded, {} files already here) in {:.1}s",
+            bytes(rep.bytes),
+            bytes(rep.fetched_bytes),
+            rep.reused_files,
+            rep.elapsed.as_secs_f64()
+        ),
+        None => tracing::debug!(
+            "no committed checkpoint for job {}: starting fresh",
+            job.layout().job()
+        ),
+    }
+    Ok(found)
+}
+
+async fn resume(args: ResumeArgs) -> u8 {
+    let store = match open_store(&args.store).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!("{e}");
+            return exit_code::SETUP_FAILED;
+        }
+    };
+    let dir = args
+        .to
+        .clone()
+        .unwrap_or_else(|| default_checkpoint_dir(&args.store));
+    match restore_newest(&store.job(&args.store.job), &dir).await {
+        Ok(Some((m, rep))) => {
+            if args.print_env {
+                println!(
+                    "export SPOTGUARD_RESUME_DIR={}",
+                    shell_quote(&rep.path.to_string_lossy())
+                );
+                println!("export SPOTGUARD_RESUME_NAME={}", shell_quote(&m.name));
+                println!("export SPOTGUARD_RESUME_SEQ={}", m.seq);
+            } else {
+                println!("{}", rep.path.display());
+            }
+            0
+        }
+        Ok(None) => exit_code::NOTHING_TO_RESUME,
+        Err(e) => {
+            error!("{e}");
+            exit_code::SETUP_FAILED
+        }
+    }
+}
+
+/// `'it'\''s'`: safe inside `eval`.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 /// Opens and checks the store named by `args`; a one-line error otherwise.
@@ -154,12 +231,27 @@ async fn run_command(args: RunArgs) -> u8 {
             return exit_code::SETUP_FAILED;
         }
     };
-    let dir = args.checkpoint_dir.clone().unwrap_or_else(|| {
-        opts.state_dir
-            .join("jobs")
-            .join(&opts.job)
-            .join("checkpoints")
-    });
+    let dir = args
+        .checkpoint_dir
+        .clone()
+        .unwrap_or_else(|| default_checkpoint_dir(&args.store));
+    if !args.no_resume {
+        match restore_newest(&store.job(&opts.job), &dir).await {
+            Ok(Some((m, rep))) => {
+                opts.env
+                    .push(("SPOTGUARD_RESUME_DIR".into(), rep.path.into_os_string()));
+                opts.env
+                    .push(("SPOTGUARD_RESUME_NAME".into(), m.name.into()));
+                opts.env
+                    .push(("SPOTGUARD_RESUME_SEQ".into(), m.seq.to_string().into()));
+            }
+            Ok(None) => {}
+            Err(e) => {
+                error!("failed to resume: {e}");
+                return exit_code::SETUP_FAILED;
+            }
+        }
+    }
     opts.checkpoints = Some(Checkpoints {
         dir,
         store: store.job(&opts.job),

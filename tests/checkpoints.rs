@@ -178,8 +178,22 @@ fn a_notice_flushes_the_final_checkpoint_to_s3() {
 #[test]
 fn ls_lists_commits_in_order_as_a_table_too() {
     let state = tempfile::tempdir().expect("tempdir");
-    let script = r#"for i in 1 2; do mkdir "$SPOTGUARD_CHECKPOINT_DIR/.s$i"; echo $i > "$SPOTGUARD_CHECKPOINT_DIR/.s$i/w"; mv "$SPOTGUARD_CHECKPOINT_DIR/.s$i" "$SPOTGUARD_CHECKPOINT_DIR/step-$i"; done"#;
-    let f = run_to_end(state.path(), &["run", "--", "sh", "-c", script]);
+    // Each checkpoint is written once the previous one is committed (a newer checkpoint
+    // supersedes an older one still waiting).
+    let script = r#"for i in 1 2; do d="$SPOTGUARD_CHECKPOINT_DIR"; mkdir "$d/.s$i"; echo $i > "$d/.s$i/w"; mv "$d/.s$i" "$d/step-$i"; read line; done"#;
+    let mut p = Proc::start(run_cmd(state.path(), &[], &["sh", "-c", script]));
+    use std::io::Write;
+    for seq in ["seq=1", "seq=2"] {
+        let line = p.expect_stderr(seq);
+        assert!(line.contains("checkpoint committed"), "{line}");
+        p.stdin
+            .as_mut()
+            .expect("stdin")
+            .write_all(b"next\n")
+            .expect("write");
+    }
+    drop(p.stdin.take());
+    let f = p.finish();
     assert_eq!(f.code(), 0, "{}", f.stderr);
     let list = ls(state.path(), &[], &[]);
     let names: Vec<&str> = list["checkpoints"]
@@ -188,7 +202,7 @@ fn ls_lists_commits_in_order_as_a_table_too() {
         .iter()
         .map(|c| c["name"].as_str().expect("name"))
         .collect();
-    assert_eq!(names.len(), 2, "{list}");
+    assert_eq!(names, ["step-1", "step-2"], "{list}");
     let f = run_to_end(state.path(), &["ls"]);
     assert_eq!(f.code(), 0);
     let lines: Vec<&str> = f.stdout.lines().collect();
@@ -198,6 +212,26 @@ fn ls_lists_commits_in_order_as_a_table_too() {
         f.stdout
     );
     assert_eq!(lines.len(), 3, "{}", f.stdout);
+}
+
+/// Checkpoints written faster than they upload: the newest wins and sequence numbers follow
+/// the order they were written, so "the newest committed" is the newest written.
+#[test]
+fn a_newer_checkpoint_supersedes_older_pending_ones() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let script = r#"for i in 1 2 3 4 5; do d="$SPOTGUARD_CHECKPOINT_DIR"; mkdir "$d/.s$i"; echo $i > "$d/.s$i/w"; mv "$d/.s$i" "$d/step-$i"; done"#;
+    let f = run_to_end(state.path(), &["run", "--", "sh", "-c", script]);
+    assert_eq!(f.code(), 0, "{}", f.stderr);
+    let list = ls(state.path(), &[], &[]);
+    let ckpts = list["checkpoints"].as_array().expect("list");
+    assert_eq!(ckpts.last().expect("some")["name"], "step-5", "{list}");
+    let names: Vec<&str> = ckpts
+        .iter()
+        .map(|c| c["name"].as_str().expect("name"))
+        .collect();
+    let mut sorted = names.clone();
+    sorted.sort_unstable();
+    assert_eq!(names, sorted, "sequence numbers out of write order: {list}");
 }
 
 #[test]

@@ -61,6 +61,7 @@ pub enum Error {
 #[derive(Clone, Debug)]
 pub struct Committed {
     pub name: String,
+    recency: Recency,
     pub seq: u64,
     pub bytes: u64,
     pub sent_bytes: u64,
@@ -123,7 +124,16 @@ impl Checkpointer {
         watcher
             .watch(&dir, RecursiveMode::Recursive)
             .map_err(|e| dir_err(format!("cannot watch it: {e}")))?;
-        let committed = latest_by_name(store.committed().await?);
+        let manifests = store.committed().await?;
+        // The newest committed write: anything older is superseded and never uploaded, so
+        // sequence numbers follow the order the checkpoints were written.
+        let newest_committed = manifests
+            .last()
+            .and_then(|m| m.files.iter().map(|f| f.mtime_ns).max())
+            .map_or(SystemTime::UNIX_EPOCH, |ns| {
+                SystemTime::UNIX_EPOCH + Duration::from_nanos(ns.max(0) as u64)
+            });
+        let committed = latest_by_name(manifests);
         let (tx, rx) = mpsc::channel(4);
         let mut actor = Actor {
             dir,
@@ -131,6 +141,8 @@ impl Checkpointer {
             opts,
             entries: BTreeMap::new(),
             committed,
+            newest_committed: (newest_committed, 0),
+            next_order: 1,
             failed: HashMap::new(),
             events,
             _watcher: watcher,
@@ -188,13 +200,11 @@ struct Tracked {
     /// The rule that judged it complete, once one has.
     complete: Option<Rule>,
     last_verdict: String,
+    /// When it was first seen, relative to the others.
+    order: u64,
 }
 
-type UploadResult = (
-    String,
-    Fingerprint,
-    Result<UploadReport, spotguard_store::Error>,
-);
+type Recency = (SystemTime, u64);
 
 struct Actor {
     dir: PathBuf,
@@ -203,6 +213,10 @@ struct Actor {
     entries: BTreeMap<String, Tracked>,
     /// Fingerprint of each name's newest committed version.
     committed: HashMap<String, Fingerprint>,
+    /// Recency of the newest committed checkpoint: its newest write, then the order entries
+    /// were first seen (file times are coarse: two checkpoints can share one).
+    newest_committed: Recency,
+    next_order: u64,
     /// Names whose upload failed, and when to try again.
     failed: HashMap<String, (Instant, String)>,
     events: mpsc::UnboundedReceiver<notify::Result<notify::Event>>,
@@ -213,10 +227,17 @@ struct Actor {
 /// A complete checkpoint ready to go.
 struct Ready {
     name: String,
-    newest_write: SystemTime,
+    recency: Recency,
     scan: LocalCheckpoint,
     rule: Rule,
 }
+
+type UploadResult = (
+    String,
+    Fingerprint,
+    Recency,
+    Result<UploadReport, spotguard_store::Error>,
+);
 
 impl Actor {
     async fn run(mut self, mut cmds: mpsc::Receiver<Cmd>) {
@@ -228,7 +249,11 @@ impl Actor {
                 Some(ev) = self.events.recv() => self.on_event(ev),
                 _ = tick.tick() => self.step(false),
                 _ = rescan.tick() => self.rescan(),
-                res = wait_upload(&mut self.uploading) => { self.on_uploaded(res); }
+                res = wait_upload(&mut self.uploading) => {
+                    self.on_uploaded(res);
+                    // Straight on to the next one, if any.
+                    self.step(false);
+                }
                 cmd = cmds.recv() => {
                     if let Some(Cmd::Flush { deadline, trust_quiescence, reply }) = cmd {
                         let report = self.flush(deadline, trust_quiescence).await;
@@ -278,11 +303,13 @@ impl Actor {
             let Some(first) = comps.next() else { continue };
             let name = first.as_os_str().to_string_lossy().into_owned();
             let direct = comps.next().is_none();
+            let next = &mut self.next_order;
             let t = self.entries.entry(name).or_insert_with(|| Tracked {
                 last_event: now,
                 renamed_in: false,
                 complete: None,
                 last_verdict: String::new(),
+                order: std::mem::replace(next, *next + 1),
             });
             t.last_event = now;
             if direct {
@@ -309,12 +336,14 @@ impl Actor {
         for e in read.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             present.push(name.clone());
+            let next = &mut self.next_order;
             self.entries.entry(name).or_insert_with(|| Tracked {
                 // Age comes from mtimes for entries found by a scan.
                 last_event: Instant::now() - Duration::from_secs(3600),
                 renamed_in: false,
                 complete: None,
                 last_verdict: String::new(),
+                order: std::mem::replace(next, *next + 1),
             });
         }
         self.entries.retain(|name, _| present.contains(name));
@@ -359,6 +388,14 @@ impl Actor {
             }
             let t = self.entries.get_mut(&name).expect("candidates are tracked");
             let newest_write = newest_mtime(&path, &scan);
+            let recency = (newest_write, t.order);
+            if recency < self.newest_committed {
+                if t.last_verdict != "superseded" {
+                    debug!(entry = %name, "older than the newest committed checkpoint: not uploaded");
+                    t.last_verdict = "superseded".into();
+                }
+                continue;
+            }
             let since_mtime = SystemTime::now()
                 .duration_since(newest_write)
                 .unwrap_or_default();
@@ -395,12 +432,12 @@ impl Actor {
             t.complete.get_or_insert(rule);
             ready.push(Ready {
                 name,
-                newest_write,
+                recency,
                 scan,
                 rule,
             });
         }
-        ready.sort_by_key(|r| std::cmp::Reverse(r.newest_write));
+        ready.sort_by_key(|r| std::cmp::Reverse(r.recency));
         ready
     }
 
@@ -415,6 +452,7 @@ impl Actor {
         let (store, opts) = (self.store.clone(), self.opts.upload.clone());
         let keep = self.opts.keep;
         let name = r.name.clone();
+        let written = r.recency;
         let task = tokio::spawn(async move {
             let fp = r.scan.fingerprint();
             let res = store.upload(&r.scan, r.rule.name(), &opts).await;
@@ -427,12 +465,12 @@ impl Actor {
                     Err(e) => warn!("retention failed (will try after the next commit): {e}"),
                 }
             }
-            (r.name, fp, res)
+            (r.name, fp, written, res)
         });
         self.uploading = Some((name, task));
     }
 
-    fn on_uploaded(&mut self, (name, fp, res): UploadResult) -> Option<Committed> {
+    fn on_uploaded(&mut self, (name, fp, written, res): UploadResult) -> Option<Committed> {
         match res {
             Ok(rep) => {
                 let m = &rep.manifest;
@@ -449,8 +487,10 @@ impl Actor {
                 );
                 self.failed.remove(&name);
                 self.committed.insert(name.clone(), fp);
+                self.newest_committed = self.newest_committed.max(written);
                 Some(Committed {
                     name,
+                    recency: written,
                     seq: m.seq,
                     bytes: m.total_bytes,
                     sent_bytes: rep.sent_bytes,
@@ -490,7 +530,11 @@ impl Actor {
             // Nothing new: the newest complete checkpoint is the newest committed one.
             report.newest = None;
         }
+        // Newest first; once one is committed the older ones are superseded.
         for r in ready {
+            if report.committed.iter().any(|c| c.recency > r.recency) {
+                continue;
+            }
             let name = r.name.clone();
             if deadline.is_some_and(|d| d <= Instant::now()) {
                 report
@@ -521,7 +565,10 @@ impl Actor {
             *durable = report.committed.iter().any(|c| &c.name == newest);
         }
         for (name, t) in &self.entries {
-            if rules::is_ignored_name(Path::new(name)) || t.complete.is_some() {
+            if rules::is_ignored_name(Path::new(name))
+                || t.complete.is_some()
+                || t.last_verdict == "superseded"
+            {
                 continue;
             }
             let fp = LocalCheckpoint::scan(&self.dir.join(name))

@@ -65,6 +65,8 @@ pub struct RunOptions {
     pub detect_timeout: Duration,
     /// Where checkpoints are written and where they go; `None` runs without them.
     pub checkpoints: Option<Checkpoints>,
+    /// Extra environment for the command (`SPOTGUARD_RESUME_*`).
+    pub env: Vec<(String, OsString)>,
 }
 
 /// Checkpoints of the run: the local dir the command writes into and the job's store.
@@ -94,6 +96,7 @@ impl RunOptions {
             linger: Duration::from_secs(5),
             detect_timeout: Duration::from_secs(2),
             checkpoints: None,
+            env: Vec::new(),
         }
     }
 }
@@ -165,6 +168,15 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
         .env("SPOTGUARD_JOB", &opts.job)
         .env("SPOTGUARD_STATE_DIR", state.path())
         .env("SPOTGUARD_NOTICE_FILE", state.notice_file());
+    // Only this run's resume point, never one inherited from the environment.
+    for var in [
+        "SPOTGUARD_RESUME_DIR",
+        "SPOTGUARD_RESUME_NAME",
+        "SPOTGUARD_RESUME_SEQ",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(opts.env.iter().map(|(k, v)| (k, v)));
     // Watch before the command starts, so no checkpoint it writes is missed.
     let checkpointer = match &opts.checkpoints {
         Some(c) => {

@@ -310,3 +310,31 @@ fn set_mtimes(root: &FsPath, m: &Manifest) {
         }
     }
 }
+
+impl JobStore {
+    /// Restores the newest committed checkpoint into `dest`, falling back to older ones when
+    /// the newest cannot be restored whole (damaged or missing objects), logging why.
+    /// `Ok(None)`: the job has no committed checkpoint yet.
+    pub async fn restore_newest(
+        &self,
+        dest: &FsPath,
+        opts: &RestoreOptions,
+    ) -> Result<Option<(Manifest, RestoreReport)>, Error> {
+        let committed = self.committed().await?;
+        let mut last_err = None;
+        for m in committed.iter().rev() {
+            match self.restore(m, dest, opts).await {
+                Ok(rep) => return Ok(Some((m.clone(), rep))),
+                Err(e @ (Error::Store { .. } | Error::Verify { .. } | Error::Unsafe { .. })) => {
+                    tracing::warn!(seq = m.seq, checkpoint = %m.name, "cannot restore this checkpoint, trying the previous one: {e}");
+                    last_err = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        match last_err {
+            Some(e) => Err(e),
+            None => Ok(None),
+        }
+    }
+}
