@@ -24,6 +24,7 @@ use crate::cli::{Cli, CloudArg, Command, LsArgs, ResumeArgs, RunArgs, StoreArgs}
 const STORE_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn main() -> ExitCode {
+    bounded_allocator();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return usage_error(&e),
@@ -44,6 +45,19 @@ fn main() -> ExitCode {
     // Background probes and watches may be mid-request: do not wait for them.
     runtime.shutdown_background();
     ExitCode::from(code)
+}
+
+/// Uploads and downloads move multi-megabyte part buffers. glibc raises its mmap threshold
+/// each time such a buffer is freed, after which they come from the heap arenas and are
+/// rarely given back: resident memory then grows with the checkpoint instead of staying at
+/// part size × concurrency. A fixed threshold keeps every large buffer an mmap, returned on
+/// free (mallopt(3)).
+fn bounded_allocator() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only changes allocator tuning; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
 }
 
 async fn run(command: Command) -> u8 {

@@ -369,3 +369,52 @@ fn an_unreachable_store_at_the_end_exits_74() {
         f.stderr
     );
 }
+
+/// The S3 server goes away mid-upload and comes back: the failure is logged, the upload is
+/// retried, and what is committed is whole (restored byte for byte).
+#[test]
+fn the_server_stopping_mid_upload_is_retried_and_nothing_partial_is_committed() {
+    let mut s3 = S3Server::s3s_fs();
+    let state = tempfile::tempdir().expect("tempdir");
+    let flags = [
+        "--store".to_owned(),
+        s3.url("jobs"),
+        "--part-size".into(),
+        "5MiB".into(),
+        "--upload-concurrency".into(),
+        "1".into(),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let script = r#"d="$SPOTGUARD_CHECKPOINT_DIR"; mkdir "$d/.big"; head -c 25165824 /dev/urandom > "$d/.big/w.bin"; mv "$d/.big" "$d/big"; read line || true"#;
+    let mut cmd = spotguard(state.path());
+    cmd.args(["-v", "run"])
+        .args(&flags)
+        .args(["--", "sh", "-c", script])
+        .envs(s3.env());
+    let mut p = Proc::start(cmd);
+    // Parts are going in: stop the server in the middle of the multipart upload.
+    p.expect_stderr("part stored");
+    s3.stop();
+    p.expect_stderr("failed, retrying in");
+    s3.restart();
+    p.expect_stderr("checkpoint committed");
+    drop(p.stdin.take());
+    let f = p.finish_within(Duration::from_secs(120));
+    assert_eq!(f.code(), 0, "{}", f.stderr);
+
+    let restored = state.path().join("restored");
+    let mut cmd = spotguard(state.path());
+    cmd.args(["resume", "--store", &s3.url("jobs"), "--to"])
+        .arg(&restored)
+        .envs(s3.env());
+    let r = Proc::start(cmd).finish_within(Duration::from_secs(60));
+    assert_eq!(r.code(), 0, "{}", r.stderr);
+    let original =
+        std::fs::read(state.path().join("jobs/default/checkpoints/big/w.bin")).expect("original");
+    let copy = std::fs::read(restored.join("big/w.bin")).expect("restored");
+    assert_eq!(original.len(), 25_165_824);
+    assert!(
+        original == copy,
+        "the committed checkpoint differs from what was written"
+    );
+}

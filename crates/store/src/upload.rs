@@ -274,6 +274,7 @@ impl JobStore {
             .map_err(|e| self.error(&e))?;
         let mut parts: JoinSet<object_store::Result<()>> = JoinSet::new();
         let mut total = 0u64;
+        let mut parts_started = 0u32;
         let result: Result<(), Error> = async {
             loop {
                 let permit = sem.clone().acquire_owned().await.expect("semaphore open");
@@ -288,9 +289,14 @@ impl JobStore {
                 }
                 total += part.len() as u64;
                 let put = upload.put_part(PutPayload::from(part.freeze()));
+                let (n, key) = (parts_started, key.clone());
+                parts_started += 1;
                 parts.spawn(async move {
                     let res = put.await;
                     drop(permit);
+                    if res.is_ok() {
+                        debug!(%key, part = n, "part stored");
+                    }
                     res
                 });
             }
