@@ -48,6 +48,18 @@ pub enum Command {
     /// Restore a job's newest complete checkpoint, for re-provisioning scripts.
     #[command(after_help = RESUME_AFTER_HELP)]
     Resume(ResumeArgs),
+    /// Show a job's attempts and whether it is completed.
+    #[command(after_help = "Exit status: 0 the job is completed, 4 not yet, 70 error.")]
+    Status(LsArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RestartPolicy {
+    /// Never relaunch the command.
+    Never,
+    /// Relaunch it (resuming from the newest checkpoint) when it fails; never after a
+    /// preemption notice.
+    OnFailure,
 }
 
 const RESUME_AFTER_HELP: &str = "\
@@ -170,6 +182,14 @@ pub struct RunArgs {
     /// Start without restoring the newest committed checkpoint.
     #[arg(long)]
     pub no_resume: bool,
+
+    /// Relaunch a failed command on this machine, resuming from the newest checkpoint.
+    #[arg(long, value_enum, default_value = "never")]
+    pub restart: RestartPolicy,
+
+    /// Relaunches allowed with --restart on-failure (backoff 1s, 2s, 4s ... 60s between).
+    #[arg(long, value_name = "N", default_value = "3")]
+    pub max_restarts: u32,
 
     /// Parts uploaded at once; memory use is about part size × this.
     #[arg(long, value_name = "N", default_value = "8", value_parser = clap::value_parser!(u32).range(1..=256))]

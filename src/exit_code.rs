@@ -5,6 +5,8 @@
 pub const USAGE: u8 = 2;
 /// `spotguard resume`: the job has no committed checkpoint yet (start fresh).
 pub const NOTHING_TO_RESUME: u8 = 3;
+/// `spotguard status`: the job is not completed yet (relaunch it).
+pub const NOT_COMPLETED: u8 = 4;
 /// spotguard could not set itself up (state dir, store, signal handlers).
 pub const SETUP_FAILED: u8 = 70;
 /// The final upload or commit failed: the newest checkpoint is not durable.
@@ -24,6 +26,7 @@ Exit status:
   128+N the command was killed by signal N
   2     bad usage (unknown flag, bad value, no command)
   3     spotguard resume: the job has no checkpoint yet
+  4     spotguard status: the job is not completed yet
   70    spotguard could not set itself up (state dir, store unreachable)
   74    the newest checkpoint could not be uploaded and committed
   75    a preemption notice stopped the command (relaunch to resume)

@@ -4,18 +4,17 @@
 mod cli;
 mod exit_code;
 mod logging;
+mod run;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
 use clap::error::{ContextKind, ErrorKind};
-use spotguard_checkpoint::{CheckpointOptions, bytes};
+use spotguard_checkpoint::bytes;
 use spotguard_notice::{Cloud, Endpoints, WatchOptions};
-use spotguard_session::{Checkpoints, CloudChoice, RunOptions};
-use spotguard_store::{
-    Instance, Manifest, RestoreOptions, RestoreReport, Store, StoreOptions, UploadOptions,
-};
+use spotguard_session::{CloudChoice, RunOptions};
+use spotguard_store::{Manifest, RestoreOptions, RestoreReport, Store, StoreOptions};
 use tracing::error;
 
 use crate::cli::{Cli, CloudArg, Command, LsArgs, ResumeArgs, RunArgs, StoreArgs};
@@ -62,14 +61,15 @@ fn bounded_allocator() {
 
 async fn run(command: Command) -> u8 {
     match command {
-        Command::Run(args) => run_command(args).await,
+        Command::Run(args) => run::run_command(args).await,
+        Command::Status(args) => run::status(args).await,
         Command::Ls(args) => ls(args).await,
         Command::Resume(args) => resume(args).await,
     }
 }
 
 /// The job's checkpoint dir when none is given.
-fn default_checkpoint_dir(args: &StoreArgs) -> PathBuf {
+pub(crate) fn default_checkpoint_dir(args: &StoreArgs) -> PathBuf {
     state_root(args)
         .join("jobs")
         .join(&args.job)
@@ -77,7 +77,7 @@ fn default_checkpoint_dir(args: &StoreArgs) -> PathBuf {
 }
 
 /// Restores the newest committed checkpoint into `dir`, logging what it did.
-async fn restore_newest(
+pub(crate) async fn restore_newest(
     job: &spotguard_store::JobStore,
     dir: &std::path::Path,
 ) -> Result<Option<(Manifest, RestoreReport)>, String> {
@@ -143,7 +143,7 @@ fn shell_quote(s: &str) -> String {
 }
 
 /// Opens and checks the store named by `args`; a one-line error otherwise.
-async fn open_store(args: &StoreArgs) -> Result<Store, String> {
+pub(crate) async fn open_store(args: &StoreArgs) -> Result<Store, String> {
     let url = match &args.store {
         Some(url) => url.clone(),
         None => state_root(args)
@@ -228,88 +228,7 @@ async fn ls(args: LsArgs) -> u8 {
     0
 }
 
-async fn run_command(args: RunArgs) -> u8 {
-    let mut opts = match run_options(&args) {
-        Ok(opts) => opts,
-        Err(msg) => {
-            eprintln!("spotguard: error: {msg}");
-            return exit_code::USAGE;
-        }
-    };
-    // The store is checked before the command starts: a typo or a missing credential fails
-    // now, not at the first checkpoint an hour in.
-    let store = match open_store(&args.store).await {
-        Ok(s) => s,
-        Err(e) => {
-            error!("{e}");
-            return exit_code::SETUP_FAILED;
-        }
-    };
-    let dir = args
-        .checkpoint_dir
-        .clone()
-        .unwrap_or_else(|| default_checkpoint_dir(&args.store));
-    if !args.no_resume {
-        match restore_newest(&store.job(&opts.job), &dir).await {
-            Ok(Some((m, rep))) => {
-                opts.env
-                    .push(("SPOTGUARD_RESUME_DIR".into(), rep.path.into_os_string()));
-                opts.env
-                    .push(("SPOTGUARD_RESUME_NAME".into(), m.name.into()));
-                opts.env
-                    .push(("SPOTGUARD_RESUME_SEQ".into(), m.seq.to_string().into()));
-            }
-            Ok(None) => {}
-            Err(e) => {
-                error!("failed to resume: {e}");
-                return exit_code::SETUP_FAILED;
-            }
-        }
-    }
-    opts.checkpoints = Some(Checkpoints {
-        dir,
-        store: store.job(&opts.job),
-        opts: CheckpointOptions {
-            settle: args.settle,
-            keep: args.keep as usize,
-            upload: UploadOptions {
-                part_size: args.part_size as usize,
-                concurrency: args.upload_concurrency as usize,
-                instance: Instance {
-                    hostname: hostname(),
-                    ..Instance::default()
-                },
-                ..UploadOptions::default()
-            },
-            ..CheckpointOptions::default()
-        },
-    });
-    match spotguard_session::run(opts).await {
-        Ok(outcome) if outcome.upload_failed() => {
-            error!(
-                "exiting with {}: the newest checkpoint is not durable (the command {})",
-                exit_code::UPLOAD_FAILED,
-                outcome.end
-            );
-            exit_code::UPLOAD_FAILED
-        }
-        Ok(outcome) if outcome.preempted.is_some() => exit_code::PREEMPTED,
-        Ok(outcome) => outcome.end.exit_code(),
-        Err(spotguard_session::Error::Spawn(e)) => {
-            error!("{e}");
-            match e.exit_code() {
-                127 => exit_code::NOT_FOUND,
-                _ => exit_code::NOT_EXECUTABLE,
-            }
-        }
-        Err(e) => {
-            error!("{e}");
-            exit_code::SETUP_FAILED
-        }
-    }
-}
-
-fn run_options(args: &RunArgs) -> Result<RunOptions, String> {
+pub(crate) fn run_options(args: &RunArgs) -> Result<RunOptions, String> {
     let cloud = match args.cloud {
         CloudArg::Auto => CloudChoice::Auto,
         CloudArg::None => CloudChoice::None,
@@ -344,7 +263,7 @@ fn run_options(args: &RunArgs) -> Result<RunOptions, String> {
     Ok(opts)
 }
 
-fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default()

@@ -144,3 +144,80 @@ fn the_command_sees_resume_variables_only_when_there_is_something_to_resume() {
     );
     assert_eq!(f.stdout, "dir=unset seq=unset");
 }
+
+fn status_json(state: &Path) -> (i32, serde_json::Value) {
+    let f = run_to_end(state, &["status", "--json"]);
+    let v = serde_json::from_str(&f.stdout).unwrap_or_else(|e| panic!("{e}: {}", f.stdout));
+    (f.code(), v)
+}
+
+#[test]
+fn restart_on_failure_resumes_and_the_ledger_records_each_attempt() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let (code, v) = status_json(state.path());
+    assert_eq!((code, v["completed"].as_bool()), (4, Some(false)), "{v}");
+    // Fails once after saving a checkpoint; the relaunch resumes from it and succeeds.
+    let script = r#"
+        if [ -n "$SPOTGUARD_RESUME_DIR" ]; then echo "resumed $(cat "$SPOTGUARD_RESUME_DIR/w")"; exit 0; fi
+        d="$SPOTGUARD_CHECKPOINT_DIR"; mkdir "$d/.s"; echo progress > "$d/.s/w"; mv "$d/.s" "$d/step-1"; exit 9"#;
+    let f = run_to_end(
+        state.path(),
+        &[
+            "run",
+            "--restart",
+            "on-failure",
+            "--max-restarts",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+    );
+    assert_eq!(f.code(), 0, "{}", f.stderr);
+    assert_eq!(f.stdout, "resumed progress");
+    assert!(f.stderr.contains("restart 1 of 2"), "{}", f.stderr);
+    let (code, v) = status_json(state.path());
+    assert_eq!(code, 0, "completed: {v}");
+    let outcomes: Vec<&str> = v["attempts"]
+        .as_array()
+        .expect("attempts")
+        .iter()
+        .map(|a| a["outcome"].as_str().expect("outcome"))
+        .collect();
+    assert_eq!(outcomes, ["failed", "completed"], "{v}");
+    assert_eq!(v["attempts"][0]["exit_status"], 9);
+    assert_eq!(v["attempts"][1]["resumed_from"]["name"], "step-1");
+}
+
+#[test]
+fn a_preempted_command_is_never_restarted_here_and_lost_time_is_recorded() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let script = r#"trap 'exit 0' TERM; d="$SPOTGUARD_CHECKPOINT_DIR"; mkdir "$d/.s"; echo 1 > "$d/.s/w"; mv "$d/.s" "$d/step-1"; echo saved; while :; do sleep 30 & wait $!; done"#;
+    let mut cmd = spotguard(state.path());
+    cmd.args(["run", "--restart", "on-failure", "--", "sh", "-c", script]);
+    let p = Proc::start(cmd);
+    p.expect_stdout("saved");
+    p.expect_stderr("checkpoint committed");
+    p.signal(Signal::SIGTERM);
+    let f = p.finish();
+    assert_eq!(f.code(), 75, "{}", f.stderr);
+    assert!(
+        !f.stderr.contains("restart"),
+        "no relaunch after a notice: {}",
+        f.stderr
+    );
+    let (code, v) = status_json(state.path());
+    assert_eq!(code, 4);
+    let a = &v["attempts"].as_array().expect("attempts")[0];
+    assert_eq!(v["attempts"].as_array().map(Vec::len), Some(1));
+    assert_eq!(a["outcome"], "preempted");
+    assert_eq!(a["notice"]["source"], "signal SIGTERM");
+    assert_eq!(a["last_committed"]["name"], "step-1");
+    assert!(
+        a["time_lost_seconds"]
+            .as_f64()
+            .is_some_and(|s| (0.0..30.0).contains(&s)),
+        "{a}"
+    );
+}

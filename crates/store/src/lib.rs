@@ -5,6 +5,7 @@
 //! and verified first; its manifest is written last, with create-if-absent. No manifest, no
 //! checkpoint: a reader never sees one whose bytes are not all stored.
 
+mod attempts;
 mod layout;
 mod manifest;
 mod restore;
@@ -25,6 +26,7 @@ use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 
+pub use attempts::{Attempt, AttemptOutcome, CheckpointRef, HEARTBEAT, NoticeRecord, STALE_AFTER};
 pub use layout::Layout;
 pub use manifest::{EntryKind, FileEntry, Instance, Manifest};
 pub use restore::{RestoreOptions, RestoreReport, check_paths};
