@@ -6,6 +6,7 @@ mod exit_code;
 mod logging;
 mod run;
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -81,10 +82,18 @@ pub(crate) async fn restore_newest(
     job: &spotguard_store::JobStore,
     dir: &std::path::Path,
 ) -> Result<Option<(Manifest, RestoreReport)>, String> {
-    let found = job
-        .restore_newest(dir, &RestoreOptions::default())
-        .await
-        .map_err(|e| e.to_string())?;
+    // A progress line on a terminal, nothing otherwise (logs stay clean).
+    let progress = std::io::stderr()
+        .is_terminal()
+        .then(|| std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    let ticker = progress.clone().map(|p| tokio::spawn(show_progress(p)));
+    let opts = RestoreOptions { progress, ..RestoreOptions::default() };
+    let found = job.restore_newest(dir, &opts).await;
+    if let Some(t) = ticker {
+        t.abort();
+        eprint!("\r\x1b[2K");
+    }
+    let found = found.map_err(|e| e.to_string())?;
     match &found {
         Some((m, rep)) => tracing::info!(
             seq = m.seq,
@@ -101,6 +110,18 @@ pub(crate) async fn restore_newest(
         ),
     }
     Ok(found)
+}
+
+/// `[spotguard] restoring: 1.2 GiB at 180 MiB/s`, redrawn in place.
+async fn show_progress(done: std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    let start = std::time::Instant::now();
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
+    loop {
+        tick.tick().await;
+        let n = done.load(std::sync::atomic::Ordering::Relaxed);
+        let rate = n as f64 / start.elapsed().as_secs_f64().max(1e-3);
+        eprint!("\r\x1b[2K[spotguard] restoring: {} at {}/s", bytes(n), bytes(rate as u64));
+    }
 }
 
 async fn resume(args: ResumeArgs) -> u8 {

@@ -5,6 +5,7 @@ use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crc_fast::{CrcAlgorithm, Digest, checksum_combine};
@@ -25,6 +26,8 @@ pub struct RestoreOptions {
     /// GETs in flight at once; memory is about `part_size × concurrency`.
     pub concurrency: usize,
     pub attempts: usize,
+    /// Bytes downloaded so far, for a progress display.
+    pub progress: Option<Arc<AtomicU64>>,
 }
 
 impl Default for RestoreOptions {
@@ -33,6 +36,7 @@ impl Default for RestoreOptions {
             part_size: 16 << 20,
             concurrency: 8,
             attempts: 3,
+            progress: None,
         }
     }
 }
@@ -164,7 +168,7 @@ impl JobStore {
                 let key = me.layout().absolute(&f.key);
                 let what = format!("download of {}", f.key);
                 retrying(&what, opts.attempts, || {
-                    me.fetch_file(&key, &dst, &f, &sem, opts.part_size)
+                    me.fetch_file(&key, &dst, &f, &sem, &opts)
                 })
                 .await
             });
@@ -201,7 +205,7 @@ impl JobStore {
         dst: &FsPath,
         f: &FileEntry,
         sem: &Arc<Semaphore>,
-        part_size: usize,
+        opts: &RestoreOptions,
     ) -> Result<(), Error> {
         let local = |source| Error::Local {
             path: dst.to_owned(),
@@ -210,16 +214,19 @@ impl JobStore {
         let file = File::create(dst).map_err(local)?;
         file.set_len(f.size).map_err(local)?;
         let file = Arc::new(file);
-        let part = part_size.max(1) as u64;
+        let part = opts.part_size.max(1) as u64;
         let mut parts = JoinSet::new();
         let mut start = 0;
         let mut index = 0;
         while start < f.size || (f.size == 0 && index == 0) {
             let end = (start + part).min(f.size);
             let permit = sem.clone().acquire_owned().await.expect("semaphore open");
-            let (me, key, file) = (self.clone(), key.clone(), file.clone());
+            let (me, key, file, progress) = (self.clone(), key.clone(), file.clone(), opts.progress.clone());
             parts.spawn(async move {
                 let res = me.fetch_range(&key, file, start, end).await;
+                if let (Ok(_), Some(p)) = (&res, progress) {
+                    p.fetch_add(end - start, Ordering::Relaxed);
+                }
                 drop(permit);
                 res.map(|crc| (index, crc, end - start))
             });

@@ -412,6 +412,25 @@ async fn restore_verifies_and_skips_identical_copies(b: Backend) {
     );
 }
 
+async fn a_damaged_newest_checkpoint_falls_back_to_the_previous(b: Backend) {
+    let job = b.store.job("train");
+    let raw = b.store.object_store();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for i in 1..=2 {
+        let p = tmp.path().join(format!("src/step-{i}"));
+        write(&p.join("w.bin"), &noise(2000, i));
+        job.upload(&LocalCheckpoint::scan(&p).expect("scan"), "renamed", &opts()).await.expect("upload");
+    }
+    assert!(job.restore_newest(&tmp.path().join("none"), &ropts()).await.is_ok());
+    // The newest loses an object (a bad lifecycle rule, a manual delete).
+    let newest = job.committed().await.expect("list").pop().expect("two");
+    raw.delete(&job.layout().absolute(&newest.files[0].key)).await.expect("delete");
+    let (m, rep) = job.restore_newest(&tmp.path().join("dest"), &ropts()).await.expect("restore").expect("something");
+    assert_eq!(m.name, "step-1", "fell back to the previous checkpoint");
+    assert_eq!(std::fs::read(rep.path.join("w.bin")).expect("read"), noise(2000, 1));
+    assert!(!tmp.path().join("dest/step-2").exists());
+}
+
 #[test]
 fn restore_refuses_paths_outside_the_target() {
     let m = |name: &str, path: &str| spotguard_store::Manifest {
@@ -474,6 +493,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn restore_verifies_and_skips_identical_copies() {
                 super::restore_verifies_and_skips_identical_copies($make).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_damaged_newest_checkpoint_falls_back_to_the_previous() {
+                super::a_damaged_newest_checkpoint_falls_back_to_the_previous($make).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_file_changed_during_upload_is_not_committed() {
