@@ -87,7 +87,10 @@ pub(crate) async fn restore_newest(
         .is_terminal()
         .then(|| std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0)));
     let ticker = progress.clone().map(|p| tokio::spawn(show_progress(p)));
-    let opts = RestoreOptions { progress, ..RestoreOptions::default() };
+    let opts = RestoreOptions {
+        progress,
+        ..RestoreOptions::default()
+    };
     let found = job.restore_newest(dir, &opts).await;
     if let Some(t) = ticker {
         t.abort();
@@ -120,7 +123,11 @@ async fn show_progress(done: std::sync::Arc<std::sync::atomic::AtomicU64>) {
         tick.tick().await;
         let n = done.load(std::sync::atomic::Ordering::Relaxed);
         let rate = n as f64 / start.elapsed().as_secs_f64().max(1e-3);
-        eprint!("\r\x1b[2K[spotguard] restoring: {} at {}/s", bytes(n), bytes(rate as u64));
+        eprint!(
+            "\r\x1b[2K[spotguard] restoring: {} at {}/s",
+            bytes(n),
+            bytes(rate as u64)
+        );
     }
 }
 

@@ -221,7 +221,12 @@ impl JobStore {
         while start < f.size || (f.size == 0 && index == 0) {
             let end = (start + part).min(f.size);
             let permit = sem.clone().acquire_owned().await.expect("semaphore open");
-            let (me, key, file, progress) = (self.clone(), key.clone(), file.clone(), opts.progress.clone());
+            let (me, key, file, progress) = (
+                self.clone(),
+                key.clone(),
+                file.clone(),
+                opts.progress.clone(),
+            );
             parts.spawn(async move {
                 let res = me.fetch_range(&key, file, start, end).await;
                 if let (Ok(_), Some(p)) = (&res, progress) {

@@ -419,15 +419,34 @@ async fn a_damaged_newest_checkpoint_falls_back_to_the_previous(b: Backend) {
     for i in 1..=2 {
         let p = tmp.path().join(format!("src/step-{i}"));
         write(&p.join("w.bin"), &noise(2000, i));
-        job.upload(&LocalCheckpoint::scan(&p).expect("scan"), "renamed", &opts()).await.expect("upload");
+        job.upload(
+            &LocalCheckpoint::scan(&p).expect("scan"),
+            "renamed",
+            &opts(),
+        )
+        .await
+        .expect("upload");
     }
-    assert!(job.restore_newest(&tmp.path().join("none"), &ropts()).await.is_ok());
+    assert!(
+        job.restore_newest(&tmp.path().join("none"), &ropts())
+            .await
+            .is_ok()
+    );
     // The newest loses an object (a bad lifecycle rule, a manual delete).
     let newest = job.committed().await.expect("list").pop().expect("two");
-    raw.delete(&job.layout().absolute(&newest.files[0].key)).await.expect("delete");
-    let (m, rep) = job.restore_newest(&tmp.path().join("dest"), &ropts()).await.expect("restore").expect("something");
+    raw.delete(&job.layout().absolute(&newest.files[0].key))
+        .await
+        .expect("delete");
+    let (m, rep) = job
+        .restore_newest(&tmp.path().join("dest"), &ropts())
+        .await
+        .expect("restore")
+        .expect("something");
     assert_eq!(m.name, "step-1", "fell back to the previous checkpoint");
-    assert_eq!(std::fs::read(rep.path.join("w.bin")).expect("read"), noise(2000, 1));
+    assert_eq!(
+        std::fs::read(rep.path.join("w.bin")).expect("read"),
+        noise(2000, 1)
+    );
     assert!(!tmp.path().join("dest/step-2").exists());
 }
 
