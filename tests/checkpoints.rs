@@ -258,6 +258,20 @@ fn a_bad_store_fails_before_the_command_starts() {
         assert!(f.stderr.contains(&url), "{url}: {}", f.stderr);
         assert!(!marker.exists(), "{url}: the command ran");
     }
+    // No credentials at all, and no instance role to fall back on.
+    let mut cmd = run_cmd(
+        state.path(),
+        &["--store", "s3://spotguard-test/jobs"],
+        &["sh", "-c", &touch],
+    );
+    cmd.envs(moto.env())
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY");
+    let f = Proc::start(cmd).finish_within(Duration::from_secs(60));
+    assert_eq!(f.code(), 70, "{}", f.stderr);
+    assert!(f.stderr.contains("no credentials"), "{}", f.stderr);
+    assert!(!marker.exists(), "the command ran");
+
     // Wrong credentials: s3s-fs checks signatures.
     let s3s = S3Server::s3s_fs();
     let mut cmd = run_cmd(

@@ -348,7 +348,17 @@ pub(crate) fn describe(e: &object_store::Error) -> String {
         object_store::Error::Unauthenticated { .. } => "credentials refused: ",
         _ => "",
     };
-    format!("{what}{}", one_line(e))
+    let detail = one_line(e);
+    // object_store falls back to the instance role when the environment has no keys; off a
+    // cloud that lookup fails with a message about the metadata token, not about keys.
+    if detail.contains("/latest/api/token")
+        || detail.contains("metadata") && detail.contains("credential")
+    {
+        return format!(
+            "no credentials: none in the environment and no instance role answered ({detail})"
+        );
+    }
+    format!("{what}{detail}")
 }
 
 fn one_line(e: &dyn std::error::Error) -> String {
