@@ -132,12 +132,9 @@ async fn show_progress(done: std::sync::Arc<std::sync::atomic::AtomicU64>) {
 }
 
 async fn resume(args: ResumeArgs) -> u8 {
-    let store = match open_store(&args.store).await {
+    let store = match store_or_exit(&args.store).await {
         Ok(s) => s,
-        Err(e) => {
-            error!("{e}");
-            return exit_code::SETUP_FAILED;
-        }
+        Err(code) => return code,
     };
     let dir = args
         .to
@@ -171,6 +168,14 @@ fn shell_quote(s: &str) -> String {
 }
 
 /// Opens and checks the store named by `args`; a one-line error otherwise.
+/// The store, or the exit code after logging why not.
+pub(crate) async fn store_or_exit(args: &StoreArgs) -> Result<Store, u8> {
+    open_store(args).await.map_err(|e| {
+        error!("{e}");
+        exit_code::SETUP_FAILED
+    })
+}
+
 pub(crate) async fn open_store(args: &StoreArgs) -> Result<Store, String> {
     let url = match &args.store {
         Some(url) => url.clone(),
@@ -196,12 +201,9 @@ fn state_root(args: &StoreArgs) -> PathBuf {
 }
 
 async fn ls(args: LsArgs) -> u8 {
-    let store = match open_store(&args.store).await {
+    let store = match store_or_exit(&args.store).await {
         Ok(s) => s,
-        Err(e) => {
-            error!("{e}");
-            return exit_code::SETUP_FAILED;
-        }
+        Err(code) => return code,
     };
     let job = store.job(&args.store.job);
     let manifests = match job.committed().await {

@@ -13,7 +13,9 @@ use tokio::signal::unix::{SignalKind, signal};
 use tracing::{error, info, warn};
 
 use crate::cli::{LsArgs, RestartPolicy, RunArgs};
-use crate::{default_checkpoint_dir, exit_code, hostname, open_store, restore_newest, run_options};
+use crate::{
+    default_checkpoint_dir, exit_code, hostname, restore_newest, run_options, store_or_exit,
+};
 
 pub(crate) async fn run_command(args: RunArgs) -> u8 {
     let base = match run_options(&args) {
@@ -25,12 +27,9 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
     };
     // The store is checked before the command starts: a typo or a missing credential fails
     // now, not at the first checkpoint an hour in.
-    let store = match open_store(&args.store).await {
+    let store = match store_or_exit(&args.store).await {
         Ok(s) => s,
-        Err(e) => {
-            error!("{e}");
-            return exit_code::SETUP_FAILED;
-        }
+        Err(code) => return code,
     };
     let job = store.job(&base.job);
     let dir = args
@@ -221,12 +220,9 @@ async fn finish_attempt(job: &JobStore, a: &mut Attempt, outcome: Option<&Outcom
 
 /// `spotguard status`: the attempts, and whether the job is completed (exit 0) or not (4).
 pub(crate) async fn status(args: LsArgs) -> u8 {
-    let store = match open_store(&args.store).await {
+    let store = match store_or_exit(&args.store).await {
         Ok(s) => s,
-        Err(e) => {
-            error!("{e}");
-            return exit_code::SETUP_FAILED;
-        }
+        Err(code) => return code,
     };
     let job = store.job(&args.store.job);
     let (attempts, completed) = match tokio::try_join!(job.attempts(), job.completed()) {

@@ -7,8 +7,7 @@
     reason = "each test binary uses a different part of this module"
 )]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -282,29 +281,7 @@ impl FakeCloud {
     }
 }
 
-/// A minimal HTTP/1.0 client for the fake's control endpoints.
-pub fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect to the fake cloud");
-    s.set_read_timeout(Some(TIMEOUT)).expect("timeout");
-    write!(
-        s,
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).expect("read");
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
-}
+pub use spotguard_testkit::http;
 
 /// The JSON notice a test child printed after a line `notice`.
 pub fn printed_notice(stdout: &str) -> serde_json::Value {

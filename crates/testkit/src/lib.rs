@@ -47,7 +47,12 @@ impl S3Server {
         s.spawn();
         match kind {
             Kind::Moto => {
-                let (status, body) = http(s.port, "PUT", &format!("/{BUCKET}"), "");
+                let (status, body) = http(
+                    &format!("127.0.0.1:{}", s.port),
+                    "PUT",
+                    &format!("/{BUCKET}"),
+                    "",
+                );
                 assert!(status < 300, "moto: create bucket: {status} {body}");
             }
             Kind::S3sFs => {
@@ -137,7 +142,12 @@ impl S3Server {
         self.stop();
         self.spawn();
         if self.kind == Kind::Moto {
-            let (status, body) = http(self.port, "PUT", &format!("/{BUCKET}"), "");
+            let (status, body) = http(
+                &format!("127.0.0.1:{}", self.port),
+                "PUT",
+                &format!("/{BUCKET}"),
+                "",
+            );
             assert!(status < 300, "moto: create bucket: {status} {body}");
         }
     }
@@ -202,14 +212,15 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// A minimal unsigned HTTP/1.0 request (moto accepts them).
-fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to the S3 server");
+/// A minimal unsigned HTTP/1.0 request to `addr` (`host:port`): the fake cloud's control
+/// endpoints, and moto's bucket creation. Returns the status and the body.
+pub fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
     s.set_read_timeout(Some(Duration::from_secs(20)))
         .expect("timeout");
     write!(
         s,
-        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .expect("send");
@@ -220,5 +231,9 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    (status, resp)
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
 }
