@@ -306,10 +306,14 @@ fn kill_9_mid_upload_leaves_no_partial_checkpoint() {
         "1".into(),
     ];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let mut cmd = run_cmd(state.path(), &flags, &["sh", "-c", BIG_CHECKPOINT]);
-    cmd.envs(s3.env());
+    let mut cmd = spotguard(state.path());
+    cmd.args(["-v", "run"])
+        .args(&flags)
+        .args(["--", "sh", "-c", BIG_CHECKPOINT])
+        .envs(s3.env());
     let p = Proc::start(cmd);
-    p.expect_stderr("checkpoint complete; uploading");
+    // In the middle of the multipart upload: a part is stored, more are to come.
+    p.expect_stderr("part stored");
     p.signal(Signal::SIGKILL);
     let f = p.finish();
     assert!(
@@ -339,6 +343,16 @@ fn kill_9_mid_upload_leaves_no_partial_checkpoint() {
     cmd.envs(s3.env());
     let f = Proc::start(cmd).finish_within(Duration::from_secs(60));
     assert_eq!(f.code(), 0, "{}", f.stderr);
+    // The multipart upload the killed run left behind is aborted, its record removed.
+    assert!(
+        f.stderr
+            .contains("aborted 1 multipart upload(s) an earlier run left unfinished"),
+        "{}",
+        f.stderr
+    );
+    let uploads = s3.root().join("root/spotguard-test/jobs/default/uploads");
+    let left = std::fs::read_dir(&uploads).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(left, 0, "upload records left in {}", uploads.display());
     let list = ls(state.path(), &s3.env(), &ls_flags);
     let c = &list["checkpoints"][0];
     assert_eq!(

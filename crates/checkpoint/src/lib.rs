@@ -124,6 +124,11 @@ impl Checkpointer {
         watcher
             .watch(&dir, RecursiveMode::Recursive)
             .map_err(|e| dir_err(format!("cannot watch it: {e}")))?;
+        match store.abort_abandoned_uploads().await {
+            Ok(0) => {}
+            Ok(n) => info!("aborted {n} multipart upload(s) an earlier run left unfinished"),
+            Err(e) => warn!("failed to look for unfinished multipart uploads: {e}"),
+        }
         let manifests = store.committed().await?;
         // The newest committed write: anything older is superseded and never uploaded, so
         // sequence numbers follow the order the checkpoints were written.

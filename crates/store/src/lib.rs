@@ -23,6 +23,7 @@ use object_store::aws::AmazonS3Builder;
 use object_store::azure::MicrosoftAzureBuilder;
 use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::local::LocalFileSystem;
+use object_store::multipart::MultipartStore;
 use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 
@@ -91,6 +92,9 @@ impl Default for StoreOptions {
 #[derive(Clone)]
 pub struct Store {
     inner: Arc<dyn ObjectStore>,
+    /// The same store's multipart API, where it has one (S3, GCS, Azure): it names each upload,
+    /// so one a crash abandoned can be aborted later.
+    multipart: Option<Arc<dyn MultipartStore>>,
     root: Path,
     url: String,
 }
@@ -136,7 +140,7 @@ impl Store {
         };
         let config_err =
             |k: &str, e: object_store::Error| bad(format!("bad store option {k}: {e}"));
-        let inner: Arc<dyn ObjectStore> = match scheme {
+        let (inner, multipart): (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>) = match scheme {
             "s3" | "s3a" => {
                 let mut b = AmazonS3Builder::from_env()
                     .with_url(url)
@@ -156,7 +160,10 @@ impl Store {
                 for (k, v) in &opts.config {
                     b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
                 }
-                Arc::new(b.build().map_err(|e| bad(one_line(&e)))?)
+                {
+                    let built = Arc::new(b.build().map_err(|e| bad(one_line(&e)))?);
+                    (built.clone(), built)
+                }
             }
             "gs" => {
                 let mut b = GoogleCloudStorageBuilder::from_env()
@@ -166,7 +173,10 @@ impl Store {
                 for (k, v) in &opts.config {
                     b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
                 }
-                Arc::new(b.build().map_err(|e| bad(one_line(&e)))?)
+                {
+                    let built = Arc::new(b.build().map_err(|e| bad(one_line(&e)))?);
+                    (built.clone(), built)
+                }
             }
             "az" | "azure" | "abfs" | "abfss" => {
                 let mut b = MicrosoftAzureBuilder::from_env()
@@ -176,7 +186,10 @@ impl Store {
                 for (k, v) in &opts.config {
                     b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
                 }
-                Arc::new(b.build().map_err(|e| bad(one_line(&e)))?)
+                {
+                    let built = Arc::new(b.build().map_err(|e| bad(one_line(&e)))?);
+                    (built.clone(), built)
+                }
             }
             other => {
                 return Err(bad(format!(
@@ -187,6 +200,7 @@ impl Store {
         let root = Path::from(parsed.path().trim_matches('/'));
         Ok(Store {
             inner,
+            multipart: Some(multipart),
             root,
             url: display,
         })
@@ -202,6 +216,7 @@ impl Store {
         let fs = LocalFileSystem::new_with_prefix(path).map_err(|e| err(one_line(&e)))?;
         Ok(Store {
             inner: Arc::new(fs.with_automatic_cleanup(true)),
+            multipart: None,
             root: Path::default(),
             url: display.to_owned(),
         })
@@ -265,6 +280,10 @@ impl JobStore {
 
     pub(crate) fn inner(&self) -> &Arc<dyn ObjectStore> {
         &self.store.inner
+    }
+
+    pub(crate) fn multipart(&self) -> Option<&Arc<dyn MultipartStore>> {
+        self.store.multipart.as_ref()
     }
 
     pub(crate) fn error(&self, e: &object_store::Error) -> Error {

@@ -11,8 +11,10 @@ use std::time::{Duration, Instant, SystemTime};
 use backon::{ExponentialBuilder, Retryable};
 use bytes::BytesMut;
 use crc_fast::{CrcAlgorithm, Digest};
+use futures::TryStreamExt;
+use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path;
-use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use object_store::{MultipartId, MultipartUpload, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
@@ -267,28 +269,33 @@ impl JobStore {
                 .map_err(|e| self.error(&e))?;
             return reader.finish(len, file);
         }
-        let mut upload = self
-            .inner()
-            .put_multipart(key)
-            .await
-            .map_err(|e| self.error(&e))?;
-        let mut parts: JoinSet<object_store::Result<()>> = JoinSet::new();
+        let mut upload = self.begin_multipart(key).await?;
+        let mut parts: JoinSet<Result<(usize, Option<PartId>), Error>> = JoinSet::new();
         let mut total = 0u64;
-        let mut parts_started = 0u32;
-        let result: Result<(), Error> = async {
+        let mut parts_started = 0usize;
+        let result: Result<Vec<Option<PartId>>, Error> = async {
+            let mut ids = Vec::new();
+            let mut collect =
+                |done: Result<Result<(usize, Option<PartId>), Error>, tokio::task::JoinError>| {
+                    let (n, id) = done.expect("part uploads do not panic")?;
+                    if ids.len() <= n {
+                        ids.resize(n + 1, None);
+                    }
+                    ids[n] = id;
+                    Ok::<_, Error>(())
+                };
             loop {
                 let permit = sem.clone().acquire_owned().await.expect("semaphore open");
                 // Surface a failed part early instead of reading the rest of the file.
                 while let Some(done) = parts.try_join_next() {
-                    done.expect("part uploads do not panic")
-                        .map_err(|e| self.error(&e))?;
+                    collect(done)?;
                 }
                 let part = reader.next_part().await.map_err(local_err)?;
                 if part.is_empty() {
                     break;
                 }
                 total += part.len() as u64;
-                let put = upload.put_part(PutPayload::from(part.freeze()));
+                let put = upload.put_part(self, parts_started, PutPayload::from(part.freeze()));
                 let (n, key) = (parts_started, key.clone());
                 parts_started += 1;
                 parts.spawn(async move {
@@ -297,32 +304,103 @@ impl JobStore {
                     if res.is_ok() {
                         debug!(%key, part = n, "part stored");
                     }
-                    res
+                    res.map(|id| (n, id))
                 });
             }
             while let Some(done) = parts.join_next().await {
-                done.expect("part uploads do not panic")
-                    .map_err(|e| self.error(&e))?;
+                collect(done)?;
             }
-            Ok(())
+            Ok(ids)
         }
         .await;
-        if let Err(e) = result {
-            parts.shutdown().await;
-            if let Err(abort) = upload.abort().await {
-                warn!("failed to abort the multipart upload of {key}: {abort}");
-            }
-            return Err(e);
-        }
-        let crc = match reader.finish(total, file) {
-            Ok(crc) => crc,
+        let ids = match result.and_then(|ids| reader.finish(total, file).map(|crc| (ids, crc))) {
+            Ok(x) => x,
             Err(e) => {
-                let _ = upload.abort().await;
+                parts.shutdown().await;
+                upload.abort(self, key).await;
                 return Err(e);
             }
         };
-        upload.complete().await.map_err(|e| self.error(&e))?;
+        let (ids, crc) = ids;
+        upload.complete(self, key, ids).await?;
         Ok(crc)
+    }
+
+    /// Starts a multipart upload. Where the store names uploads, the name is recorded under
+    /// `uploads/` first, so one abandoned by a crash is aborted by the next run.
+    async fn begin_multipart(&self, key: &Path) -> Result<Multipart, Error> {
+        let Some(mp) = self.multipart() else {
+            let upload = self
+                .inner()
+                .put_multipart(key)
+                .await
+                .map_err(|e| self.error(&e))?;
+            return Ok(Multipart::Plain(std::sync::Mutex::new(upload)));
+        };
+        let id = mp.create_multipart(key).await.map_err(|e| self.error(&e))?;
+        let record = self.uploads_dir().join(format!(
+            "{:016x}.json",
+            crc_fast::checksum(CrcAlgorithm::Crc64Nvme, id.as_bytes())
+        ));
+        let body = serde_json::json!({ "key": key.to_string(), "id": id, "started": crate::attempts::now() });
+        if let Err(e) = self
+            .inner()
+            .put(&record, PutPayload::from(body.to_string()))
+            .await
+        {
+            let _ = mp.abort_multipart(key, &id).await;
+            return Err(self.error(&e));
+        }
+        Ok(Multipart::Tracked {
+            mp: mp.clone(),
+            key: key.clone(),
+            id,
+            record,
+        })
+    }
+
+    fn uploads_dir(&self) -> Path {
+        self.layout().job().clone().join("uploads")
+    }
+
+    /// Aborts the multipart uploads an earlier run recorded and never finished (it was
+    /// killed mid-upload). Call before this run starts uploading. Returns how many.
+    pub async fn abort_abandoned_uploads(&self) -> Result<usize, Error> {
+        let Some(mp) = self.multipart() else {
+            return Ok(0);
+        };
+        let records: Vec<_> = self
+            .inner()
+            .list(Some(&self.uploads_dir()))
+            .try_collect()
+            .await
+            .map_err(|e| self.error(&e))?;
+        let mut aborted = 0;
+        for meta in records {
+            let body = self
+                .inner()
+                .get(&meta.location)
+                .await
+                .map_err(|e| self.error(&e))?
+                .bytes()
+                .await
+                .map_err(|e| self.error(&e))?;
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            if let (Some(key), Some(id)) = (v["key"].as_str(), v["id"].as_str()) {
+                match mp.abort_multipart(&Path::from(key), &id.to_owned()).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => aborted += 1,
+                    Err(e) => {
+                        warn!(
+                            "failed to abort the abandoned multipart upload of {key}: {}",
+                            crate::describe(&e)
+                        );
+                        continue;
+                    }
+                }
+            }
+            let _ = self.inner().delete(&meta.location).await;
+        }
+        Ok(aborted)
     }
 
     /// Every object a manifest will name exists with the right size. Run before the commit.
@@ -360,6 +438,89 @@ impl JobStore {
             r.expect("no panic")?;
         }
         Ok(())
+    }
+}
+
+/// A multipart upload in progress: named and recorded where the store allows it.
+enum Multipart {
+    Tracked {
+        mp: Arc<dyn MultipartStore>,
+        key: Path,
+        id: MultipartId,
+        record: Path,
+    },
+    Plain(std::sync::Mutex<Box<dyn MultipartUpload>>),
+}
+
+type PartFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Option<PartId>, Error>> + Send>>;
+
+impl Multipart {
+    fn put_part(&mut self, store: &JobStore, n: usize, data: PutPayload) -> PartFuture {
+        let me = store.clone();
+        match self {
+            Multipart::Tracked { mp, key, id, .. } => {
+                let (mp, key, id) = (mp.clone(), key.clone(), id.clone());
+                Box::pin(async move {
+                    mp.put_part(&key, &id, n, data)
+                        .await
+                        .map(Some)
+                        .map_err(|e| me.error(&e))
+                })
+            }
+            Multipart::Plain(upload) => {
+                let fut = upload.get_mut().expect("not poisoned").put_part(data);
+                Box::pin(async move { fut.await.map(|()| None).map_err(|e| me.error(&e)) })
+            }
+        }
+    }
+
+    async fn complete(
+        self,
+        store: &JobStore,
+        key: &Path,
+        ids: Vec<Option<PartId>>,
+    ) -> Result<(), Error> {
+        match self {
+            Multipart::Tracked { mp, id, record, .. } => {
+                let ids = ids
+                    .into_iter()
+                    .map(|p| p.expect("every part has an id"))
+                    .collect();
+                mp.complete_multipart(key, &id, ids)
+                    .await
+                    .map_err(|e| store.error(&e))?;
+                let _ = store.inner().delete(&record).await;
+                Ok(())
+            }
+            Multipart::Plain(upload) => {
+                let mut upload = upload.into_inner().expect("not poisoned");
+                upload
+                    .complete()
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| store.error(&e))
+            }
+        }
+    }
+
+    async fn abort(self, store: &JobStore, key: &Path) {
+        let res = match self {
+            Multipart::Tracked { mp, id, record, .. } => {
+                let res = mp.abort_multipart(key, &id).await;
+                if res.is_ok() {
+                    let _ = store.inner().delete(&record).await;
+                }
+                res
+            }
+            Multipart::Plain(upload) => upload.into_inner().expect("not poisoned").abort().await,
+        };
+        if let Err(e) = res {
+            warn!(
+                "failed to abort the multipart upload of {key} (the next run retries): {}",
+                crate::describe(&e)
+            );
+        }
     }
 }
 
