@@ -207,6 +207,9 @@ struct Tracked {
     last_verdict: String,
     /// When it was first seen, relative to the others.
     order: u64,
+    /// Committed or superseded, and untouched since: not judged again until an event or the
+    /// next rescan (an idle training run costs next to nothing).
+    settled: bool,
 }
 
 type Recency = (SystemTime, u64);
@@ -315,8 +318,10 @@ impl Actor {
                 complete: None,
                 last_verdict: String::new(),
                 order: std::mem::replace(next, *next + 1),
+                settled: false,
             });
             t.last_event = now;
+            t.settled = false;
             if direct {
                 if renamed_to {
                     t.renamed_in = true;
@@ -349,9 +354,14 @@ impl Actor {
                 complete: None,
                 last_verdict: String::new(),
                 order: std::mem::replace(next, *next + 1),
+                settled: false,
             });
         }
         self.entries.retain(|name, _| present.contains(name));
+        // The safety net: look at everything again, in case an event was lost.
+        for t in self.entries.values_mut() {
+            t.settled = false;
+        }
     }
 
     /// Judges every entry; starts the next upload unless one is in flight.
@@ -373,7 +383,9 @@ impl Actor {
     fn ready(&mut self, trust_quiescence: bool, definitive_only: bool) -> Vec<Ready> {
         let candidates: Vec<String> = self
             .entries
-            .keys()
+            .iter()
+            .filter(|(_, t)| !t.settled)
+            .map(|(n, _)| n)
             .filter(|n| !rules::is_ignored_name(Path::new(n.as_str())))
             .filter(|n| self.uploading.as_ref().is_none_or(|(u, _)| u != *n))
             .cloned()
@@ -388,10 +400,11 @@ impl Actor {
             let Ok(scan) = LocalCheckpoint::scan(&path) else {
                 continue;
             };
+            let t = self.entries.get_mut(&name).expect("candidates are tracked");
             if self.committed.get(&name) == Some(&scan.fingerprint()) {
+                t.settled = true;
                 continue;
             }
-            let t = self.entries.get_mut(&name).expect("candidates are tracked");
             let newest_write = newest_mtime(&path, &scan);
             let recency = (newest_write, t.order);
             if recency < self.newest_committed {
@@ -399,6 +412,7 @@ impl Actor {
                     debug!(entry = %name, "older than the newest committed checkpoint: not uploaded");
                     t.last_verdict = "superseded".into();
                 }
+                t.settled = true;
                 continue;
             }
             let since_mtime = SystemTime::now()
