@@ -48,9 +48,62 @@ pub enum Command {
     /// Restore a job's newest complete checkpoint, for re-provisioning scripts.
     #[command(after_help = RESUME_AFTER_HELP)]
     Resume(ResumeArgs),
+    /// Batch work split into shards that instances lease from the store.
+    #[command(subcommand)]
+    Queue(QueueCommand),
     /// Show a job's attempts and whether it is completed.
     #[command(after_help = "Exit status: 0 the job is completed, 4 not yet, 70 error.")]
     Status(LsArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum QueueCommand {
+    /// Split items into shards in the job's prefix.
+    Create(QueueCreateArgs),
+    /// Shards pending / leased / done / failed, and who holds which lease.
+    Status(LsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct QueueCreateArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// A file with one item per line (blank lines skipped).
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with = "range",
+        required_unless_present = "range"
+    )]
+    pub items: Option<PathBuf>,
+    /// Integer items: A..B (B excluded) or A..=B (B included), e.g. frames 1..=250.
+    #[arg(long, value_name = "A..B", value_parser = parse_range)]
+    pub range: Option<(i64, i64)>,
+    /// Items per shard.
+    #[arg(long, value_name = "K", default_value = "1", value_parser = clap::value_parser!(u32).range(1..))]
+    pub shard_size: u32,
+    /// Add the items to an existing queue instead of refusing.
+    #[arg(long)]
+    pub append: bool,
+}
+
+/// `A..B` (end excluded) or `A..=B` (end included), as an inclusive pair.
+fn parse_range(s: &str) -> Result<(i64, i64), String> {
+    let bad = || format!("expected A..B or A..=B with integers, got {s:?}");
+    let (a, b, inclusive) = match s.split_once("..=") {
+        Some((a, b)) => (a, b, true),
+        None => {
+            let (a, b) = s.split_once("..").ok_or_else(bad)?;
+            (a, b, false)
+        }
+    };
+    let a: i64 = a.trim().parse().map_err(|_| bad())?;
+    let b: i64 = b.trim().parse().map_err(|_| bad())?;
+    let last = if inclusive { b } else { b - 1 };
+    if last < a {
+        return Err(format!("the range {s} is empty"));
+    }
+    Ok((a, last))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -363,6 +416,14 @@ mod tests {
         assert_eq!(parse_size("1024"), Ok(1024));
         assert!(parse_size("lots").is_err());
         assert!(parse_part_size("1MiB").is_err());
+    }
+
+    #[test]
+    fn ranges() {
+        assert_eq!(parse_range("1..=250"), Ok((1, 250)));
+        assert_eq!(parse_range("0..10"), Ok((0, 9)));
+        assert!(parse_range("5..5").is_err());
+        assert!(parse_range("a..b").is_err());
     }
 
     #[test]

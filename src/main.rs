@@ -1,6 +1,14 @@
 //! `spotguard`: the thin binary. Parsing, logging and exit codes live here; the work is in
 //! `crates/*`.
 
+/// `println!` that does not panic when stdout is closed early (`spotguard ls | head`).
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 mod cli;
 mod exit_code;
 mod logging;
@@ -18,7 +26,7 @@ use spotguard_session::{CloudChoice, RunOptions};
 use spotguard_store::{Manifest, RestoreOptions, RestoreReport, Store, StoreOptions};
 use tracing::error;
 
-use crate::cli::{Cli, CloudArg, Command, LsArgs, ResumeArgs, RunArgs, StoreArgs};
+use crate::cli::{Cli, CloudArg, Command, LsArgs, QueueCommand, ResumeArgs, RunArgs, StoreArgs};
 
 /// How long the start-up check of the store may take.
 const STORE_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -64,6 +72,7 @@ async fn run(command: Command) -> u8 {
     match command {
         Command::Run(args) => run::run_command(args).await,
         Command::Status(args) => run::status(args).await,
+        Command::Queue(cmd) => queue(cmd).await,
         Command::Ls(args) => ls(args).await,
         Command::Resume(args) => resume(args).await,
     }
@@ -115,6 +124,99 @@ pub(crate) async fn restore_newest(
     Ok(found)
 }
 
+async fn queue(cmd: QueueCommand) -> u8 {
+    let args = match &cmd {
+        QueueCommand::Create(a) => &a.store,
+        QueueCommand::Status(a) => &a.store,
+    };
+    let job = args.job.clone();
+    let store = match store_or_exit(args).await {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let q = spotguard_queue::Queue::new(store.job(&job));
+    match cmd {
+        QueueCommand::Create(a) => {
+            let items: Vec<String> = match (&a.items, a.range) {
+                (Some(file), _) => match std::fs::read_to_string(file) {
+                    Ok(text) => text
+                        .lines()
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty())
+                        .map(str::to_owned)
+                        .collect(),
+                    Err(e) => {
+                        eprintln!(
+                            "spotguard: error: cannot read --items {}: {e}",
+                            file.display()
+                        );
+                        return exit_code::USAGE;
+                    }
+                },
+                (None, Some((first, last))) => (first..=last).map(|i| i.to_string()).collect(),
+                (None, None) => unreachable!("clap requires --items or --range"),
+            };
+            match q.create(&items, a.shard_size as usize, a.append).await {
+                Ok(ids) => {
+                    outln!(
+                        "{} items in {} shards ({}..{})",
+                        items.len(),
+                        ids.len(),
+                        ids.start,
+                        ids.end
+                    );
+                    0
+                }
+                Err(e) => {
+                    error!("{e}");
+                    exit_code::SETUP_FAILED
+                }
+            }
+        }
+        QueueCommand::Status(a) => {
+            let (counts, states) = match tokio::try_join!(q.counts(), q.states()) {
+                Ok(x) => x,
+                Err(e) => {
+                    error!("{e}");
+                    return exit_code::SETUP_FAILED;
+                }
+            };
+            if a.json {
+                let shards: Vec<_> = states
+                    .iter()
+                    .map(|(id, s)| serde_json::json!({ "id": id, "state": s }))
+                    .collect();
+                let doc = serde_json::json!({ "job": job, "counts": counts, "shards": shards });
+                outln!(
+                    "{}",
+                    serde_json::to_string_pretty(&doc).expect("serializes")
+                );
+            } else {
+                outln!(
+                    "{} shards: {} pending, {} leased, {} done, {} failed",
+                    states.len(),
+                    counts.pending,
+                    counts.leased,
+                    counts.done,
+                    counts.failed
+                );
+                for (id, s) in states.iter().filter(|(_, s)| s.attempts > 0) {
+                    outln!(
+                        "{id:>8}  {:<8} attempts {:<3} owner {}",
+                        serde_json::to_value(s.phase)
+                            .expect("serializes")
+                            .as_str()
+                            .unwrap_or_default(),
+                        s.attempts,
+                        s.owner.as_deref().unwrap_or("-")
+                    );
+                }
+            }
+            0
+        }
+    }
+}
+
 /// `[spotguard] restoring: 1.2 GiB at 180 MiB/s`, redrawn in place.
 async fn show_progress(done: std::sync::Arc<std::sync::atomic::AtomicU64>) {
     let start = std::time::Instant::now();
@@ -143,14 +245,14 @@ async fn resume(args: ResumeArgs) -> u8 {
     match restore_newest(&store.job(&args.store.job), &dir).await {
         Ok(Some((m, rep))) => {
             if args.print_env {
-                println!(
+                outln!(
                     "export SPOTGUARD_RESUME_DIR={}",
                     shell_quote(&rep.path.to_string_lossy())
                 );
-                println!("export SPOTGUARD_RESUME_NAME={}", shell_quote(&m.name));
-                println!("export SPOTGUARD_RESUME_SEQ={}", m.seq);
+                outln!("export SPOTGUARD_RESUME_NAME={}", shell_quote(&m.name));
+                outln!("export SPOTGUARD_RESUME_SEQ={}", m.seq);
             } else {
-                println!("{}", rep.path.display());
+                outln!("{}", rep.path.display());
             }
             0
         }
@@ -226,7 +328,7 @@ async fn ls(args: LsArgs) -> u8 {
             .collect();
         let doc =
             serde_json::json!({ "store": store.url(), "job": args.store.job, "checkpoints": list });
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&doc).expect("JSON serializes")
         );
@@ -240,12 +342,16 @@ async fn ls(args: LsArgs) -> u8 {
         );
         return 0;
     }
-    println!(
+    outln!(
         "{:>6}  {:<32} {:>10} {:>6}  {:<20}  RULE",
-        "SEQ", "NAME", "SIZE", "FILES", "CREATED"
+        "SEQ",
+        "NAME",
+        "SIZE",
+        "FILES",
+        "CREATED"
     );
     for m in &manifests {
-        println!(
+        outln!(
             "{:>6}  {:<32} {:>10} {:>6}  {:<20}  {}",
             m.seq,
             m.name,

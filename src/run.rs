@@ -245,24 +245,29 @@ pub(crate) async fn status(args: LsArgs) -> u8 {
             "store": store.url(), "job": args.store.job,
             "completed": completed.is_some(), "completed_at": completed, "attempts": list,
         });
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&doc).expect("JSON serializes")
         );
     } else {
         match &completed {
-            Some(at) => println!("job {}: completed at {at}", args.store.job),
-            None => println!("job {}: not completed", args.store.job),
+            Some(at) => outln!("job {}: completed at {at}", args.store.job),
+            None => outln!("job {}: not completed", args.store.job),
         }
         if !attempts.is_empty() {
-            println!(
+            outln!(
                 "{:<20}  {:<10}  {:<20}  {:>4}  {:<22}  {:>9}",
-                "STARTED", "OUTCOME", "HOST", "EXIT", "LAST CHECKPOINT", "LOST"
+                "STARTED",
+                "OUTCOME",
+                "HOST",
+                "EXIT",
+                "LAST CHECKPOINT",
+                "LOST"
             );
         }
         for a in &attempts {
             let outcome = serde_json::to_value(a.effective_outcome()).expect("serializes");
-            println!(
+            outln!(
                 "{:<20}  {:<10}  {:<20}  {:>4}  {:<22}  {:>9}",
                 a.started,
                 outcome.as_str().unwrap_or_default(),

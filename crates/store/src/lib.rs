@@ -6,6 +6,7 @@
 //! checkpoint: a reader never sees one whose bytes are not all stored.
 
 mod attempts;
+mod cas;
 mod layout;
 mod manifest;
 mod restore;
@@ -28,8 +29,10 @@ use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 
 pub use attempts::{Attempt, AttemptOutcome, CheckpointRef, HEARTBEAT, NoticeRecord, STALE_AFTER};
+pub use cas::{CasOutcome, Expect};
 pub use layout::Layout;
 pub use manifest::{EntryKind, FileEntry, Instance, Manifest};
+pub use object_store::UpdateVersion;
 pub use restore::{RestoreOptions, RestoreReport, check_paths};
 pub use retention::RetentionReport;
 pub use scan::{LocalCheckpoint, LocalFile};
@@ -95,6 +98,8 @@ pub struct Store {
     /// The same store's multipart API, where it has one (S3, GCS, Azure): it names each upload,
     /// so one a crash abandoned can be aborted later.
     multipart: Option<Arc<dyn MultipartStore>>,
+    /// For a local store, its directory: conditional updates lock files there.
+    local_root: Option<PathBuf>,
     root: Path,
     url: String,
 }
@@ -201,6 +206,7 @@ impl Store {
         Ok(Store {
             inner,
             multipart: Some(multipart),
+            local_root: None,
             root,
             url: display,
         })
@@ -217,6 +223,7 @@ impl Store {
         Ok(Store {
             inner: Arc::new(fs.with_automatic_cleanup(true)),
             multipart: None,
+            local_root: Some(path.to_owned()),
             root: Path::default(),
             url: display.to_owned(),
         })
