@@ -232,6 +232,20 @@ pub struct RunArgs {
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = parse_part_size)]
     pub part_size: u64,
 
+    /// Work through the job's task queue: claim a shard, run the command on it
+    /// (SPOTGUARD_SHARD_ID, SPOTGUARD_SHARD_ITEMS, SPOTGUARD_PROGRESS_FILE), mark it done, claim
+    /// the next; exit 0 when none are left.
+    #[arg(long)]
+    pub queue: bool,
+
+    /// Queue lease time; renewed every third of it while the command runs.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    pub lease_ttl: Duration,
+
+    /// Queue: runs of a shard whose command fails before the shard is marked failed.
+    #[arg(long, value_name = "N", default_value = "3", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_attempts: u32,
+
     /// Start without restoring the newest committed checkpoint.
     #[arg(long)]
     pub no_resume: bool,

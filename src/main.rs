@@ -12,6 +12,7 @@ macro_rules! outln {
 mod cli;
 mod exit_code;
 mod logging;
+mod queue_run;
 mod run;
 
 use std::io::IsTerminal;

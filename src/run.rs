@@ -31,6 +31,9 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
         Ok(s) => s,
         Err(code) => return code,
     };
+    if args.queue {
+        return crate::queue_run::run_queue(&args, base, store).await;
+    }
     let job = store.job(&base.job);
     let dir = args
         .checkpoint_dir

@@ -73,3 +73,176 @@ fn bad_queue_input_is_a_usage_error() {
         assert_eq!(f.stderr.lines().count(), 1, "{args:?}: {}", f.stderr);
     }
 }
+
+use std::path::Path;
+
+use nix::sys::signal::Signal;
+use support::{Proc, spotguard};
+
+/// A worker: `spotguard run --queue` on the shared `store`, its own fresh state dir.
+fn worker(
+    store: &Path,
+    script: &str,
+    extra: &[&str],
+) -> (tempfile::TempDir, std::process::Command) {
+    let state = tempfile::tempdir().expect("tempdir");
+    let mut cmd = spotguard(state.path());
+    cmd.args(["run", "--queue", "--store"])
+        .arg(store)
+        .args(extra)
+        .args(["--", "sh", "-c", script]);
+    (state, cmd)
+}
+
+/// Records each item before announcing it, so an announced item is never redone.
+const WORK: &str = r#"trap 'exit 0' TERM
+while read i; do echo "$i" >> "$SPOTGUARD_PROGRESS_FILE"; echo "did $SPOTGUARD_SHARD_ID:$i"; [ -n "$SLOW" ] && sleep 0.3; done < "$SPOTGUARD_SHARD_ITEMS""#;
+
+fn outputs(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("did "))
+        .map(|s| s.split(':').nth(1).expect("item").to_owned())
+        .collect()
+}
+
+#[test]
+fn two_workers_drain_the_queue_each_item_once() {
+    let store = tempfile::tempdir().expect("store");
+    let setup = tempfile::tempdir().expect("state");
+    let s = store.path().to_str().expect("utf-8");
+    assert_eq!(
+        run_to_end(
+            setup.path(),
+            &[
+                "queue",
+                "create",
+                "--store",
+                s,
+                "--range",
+                "1..=40",
+                "--shard-size",
+                "4"
+            ]
+        )
+        .code(),
+        0
+    );
+    let (_a, a) = worker(store.path(), WORK, &[]);
+    let (_b, b) = worker(store.path(), WORK, &[]);
+    let (a, b) = (Proc::start(a), Proc::start(b));
+    let (a, b) = (a.finish(), b.finish());
+    assert_eq!((a.code(), b.code()), (0, 0), "{}\n{}", a.stderr, b.stderr);
+    let mut all: Vec<u32> = outputs(&a.stdout)
+        .iter()
+        .chain(&outputs(&b.stdout))
+        .map(|i| i.parse().expect("int"))
+        .collect();
+    all.sort_unstable();
+    assert_eq!(all, (1..=40).collect::<Vec<_>>(), "every item exactly once");
+    let st = run_to_end(setup.path(), &["queue", "status", "--store", s, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&st.stdout).expect("json");
+    assert_eq!(v["counts"]["done"], 10);
+}
+
+#[test]
+fn a_preempted_worker_releases_its_shard_with_progress() {
+    let store = tempfile::tempdir().expect("store");
+    let setup = tempfile::tempdir().expect("state");
+    let s = store.path().to_str().expect("utf-8");
+    assert_eq!(
+        run_to_end(
+            setup.path(),
+            &[
+                "queue",
+                "create",
+                "--store",
+                s,
+                "--range",
+                "1..=6",
+                "--shard-size",
+                "6"
+            ]
+        )
+        .code(),
+        0
+    );
+    let (_a, mut a) = worker(store.path(), WORK, &["--lease-ttl", "1h"]);
+    a.env("SLOW", "1");
+    let a = Proc::start(a);
+    a.expect_stdout("did 0:2");
+    a.signal(Signal::SIGTERM);
+    let a = a.finish();
+    assert_eq!(a.code(), 75, "{}", a.stderr);
+    assert!(
+        a.stderr.contains("released with its progress"),
+        "{}",
+        a.stderr
+    );
+    let first = outputs(&a.stdout);
+    // Released at once: no waiting out the hour-long lease.
+    let (_b, b) = worker(store.path(), WORK, &[]);
+    let b = Proc::start(b).finish();
+    assert_eq!(b.code(), 0, "{}", b.stderr);
+    let second = outputs(&b.stdout);
+    assert!(
+        first.iter().all(|i| !second.contains(i)),
+        "redone after takeover: {first:?} then {second:?}"
+    );
+    let mut all: Vec<u32> = first
+        .iter()
+        .chain(&second)
+        .map(|i| i.parse().expect("int"))
+        .collect();
+    all.sort_unstable();
+    assert_eq!(all, (1..=6).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_failing_shard_is_retried_then_failed_and_the_rest_finishes() {
+    let store = tempfile::tempdir().expect("store");
+    let setup = tempfile::tempdir().expect("state");
+    let s = store.path().to_str().expect("utf-8");
+    assert_eq!(
+        run_to_end(
+            setup.path(),
+            &[
+                "queue",
+                "create",
+                "--store",
+                s,
+                "--range",
+                "1..=4",
+                "--shard-size",
+                "1"
+            ]
+        )
+        .code(),
+        0
+    );
+    let script = r#"[ "$SPOTGUARD_SHARD_ID" = 2 ] && exit 3; cat "$SPOTGUARD_SHARD_ITEMS" > "$SPOTGUARD_PROGRESS_FILE""#;
+    let (_w, cmd) = worker(store.path(), script, &["--max-attempts", "2"]);
+    let f = Proc::start(cmd).finish();
+    assert_eq!(f.code(), 0, "{}", f.stderr);
+    assert!(
+        f.stderr.contains("1 shard(s) failed for good"),
+        "{}",
+        f.stderr
+    );
+    let st = run_to_end(setup.path(), &["queue", "status", "--store", s, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&st.stdout).expect("json");
+    assert_eq!(
+        (v["counts"]["done"].as_u64(), v["counts"]["failed"].as_u64()),
+        (Some(3), Some(1)),
+        "{v}"
+    );
+    let shard = &v["shards"][2]["state"];
+    assert_eq!(
+        (
+            shard["failures"].as_u64(),
+            shard["last_exit_status"].as_i64()
+        ),
+        (Some(2), Some(3)),
+        "{shard}"
+    );
+}

@@ -13,6 +13,8 @@ pub enum Source {
     Simulated,
     /// A cloud's metadata service.
     Cloud(Cloud),
+    /// Something else spotguard watches (e.g. `lease`: a task-queue lease was lost).
+    Other(&'static str),
 }
 
 impl Source {
@@ -22,6 +24,7 @@ impl Source {
             Source::Signal(_) => "signal",
             Source::Simulated => "simulated",
             Source::Cloud(c) => c.name(),
+            Source::Other(name) => name,
         }
     }
 }

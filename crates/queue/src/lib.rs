@@ -282,9 +282,9 @@ impl Lease {
         }
     }
 
-    /// Extends the lease by `ttl` from now.
-    pub async fn renew(&mut self, ttl: Duration) -> Result<(), Error> {
-        let next = self.state.renewed(now_ms(), ttl);
+    /// Extends the lease by `ttl` from now, recording `done` items with it.
+    pub async fn renew(&mut self, ttl: Duration, done: &[String]) -> Result<(), Error> {
+        let next = self.state.with_progress(done).renewed(now_ms(), ttl);
         self.swap(next).await
     }
 
@@ -295,8 +295,8 @@ impl Lease {
     }
 
     /// The shard is done.
-    pub async fn done(mut self) -> Result<(), Error> {
-        let next = self.state.finished();
+    pub async fn done(mut self, done: &[String]) -> Result<(), Error> {
+        let next = self.state.with_progress(done).finished();
         self.swap(next).await
     }
 
@@ -308,8 +308,13 @@ impl Lease {
 
     /// The command failed with `status`: pending again for another attempt, or failed for
     /// good once `max_attempts` are used.
-    pub async fn fail(mut self, status: i32, max_attempts: u32) -> Result<(), Error> {
-        let next = self.state.failed(status, max_attempts);
+    pub async fn fail(
+        mut self,
+        status: i32,
+        max_attempts: u32,
+        done: &[String],
+    ) -> Result<(), Error> {
+        let next = self.state.with_progress(done).failed(status, max_attempts);
         self.swap(next).await
     }
 }

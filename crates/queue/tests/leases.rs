@@ -103,14 +103,17 @@ async fn expiry_takeover_and_fencing(b: Backend) {
     assert_eq!(new.id, old.id);
     assert_eq!(new.remaining().len(), 4, "progress travels with the shard");
     // The old holder is fenced from every change.
-    assert!(matches!(old.renew(TTL).await, Err(Error::Fenced { .. })));
+    assert!(matches!(
+        old.renew(TTL, &[]).await,
+        Err(Error::Fenced { .. })
+    ));
     assert!(matches!(
         old.progress(&["frame-0001".into()]).await,
         Err(Error::Fenced { .. })
     ));
-    assert!(matches!(old.done().await, Err(Error::Fenced { .. })));
-    new.renew(TTL).await.expect("renew");
-    new.done().await.expect("done");
+    assert!(matches!(old.done(&[]).await, Err(Error::Fenced { .. })));
+    new.renew(TTL, &[]).await.expect("renew");
+    new.done(&[]).await.expect("done");
     assert!(
         q.claim("late", TTL, 3).await.expect("claim").is_none(),
         "a done shard is never claimed"
@@ -131,9 +134,9 @@ async fn release_and_failures(b: Backend) {
         .expect("claim")
         .expect("released at once, no TTL wait");
     assert_eq!(l.remaining(), ["frame-0002", "frame-0003"]);
-    l.fail(1, 2).await.expect("fail");
+    l.fail(1, 2, &[]).await.expect("fail");
     let l = q.claim("c", TTL, 2).await.expect("claim").expect("retried");
-    l.fail(3, 2).await.expect("fail");
+    l.fail(3, 2, &[]).await.expect("fail");
     assert!(
         q.claim("d", TTL, 2).await.expect("claim").is_none(),
         "attempts used up"
@@ -155,7 +158,7 @@ async fn every_shard_done_exactly_once(b: Backend) {
             let mut done = Vec::new();
             while let Some(lease) = q.claim(&format!("w{w}"), TTL, 3).await.expect("claim") {
                 let id = lease.id;
-                lease.done().await.expect("done by the holder");
+                lease.done(&[]).await.expect("done by the holder");
                 done.push(id);
             }
             done

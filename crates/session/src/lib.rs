@@ -67,6 +67,8 @@ pub struct RunOptions {
     pub checkpoints: Option<Checkpoints>,
     /// Extra environment for the command (`SPOTGUARD_RESUME_*`).
     pub env: Vec<(String, OsString)>,
+    /// Extra notice sources, started with the others (e.g. a task-queue lease watch).
+    pub sources: Vec<Arc<dyn NoticeSource>>,
 }
 
 /// Checkpoints of the run: the local dir the command writes into and the job's store.
@@ -97,6 +99,7 @@ impl RunOptions {
             detect_timeout: Duration::from_secs(2),
             checkpoints: None,
             env: Vec::new(),
+            sources: Vec::new(),
         }
     }
 }
@@ -309,6 +312,9 @@ fn start_sources(
     tx: mpsc::Sender<Notice>,
     watched: &Arc<OnceLock<Arc<dyn NoticeSource>>>,
 ) {
+    for source in &opts.sources {
+        tokio::spawn(source.clone().watch(tx.clone()));
+    }
     if let Some(after) = opts.simulate {
         info!(
             "rehearsal: a simulated preemption notice comes in {}",

@@ -1,0 +1,308 @@
+//! `spotguard run --queue`: claim a shard, run the command on its remaining items with the
+//! lease renewed (and progress recorded) in the background, mark it done or failed, claim the
+//! next; exit 0 when the queue is drained. On a preemption the shard is released at once with
+//! its progress, so another instance takes it over without waiting for the lease to expire.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use spotguard_checkpoint::CheckpointOptions;
+use spotguard_notice::{BoxFuture, Notice, NoticeSource, Source};
+use spotguard_queue::{Error as QueueError, Lease, Queue};
+use spotguard_session::{Checkpoints, RunOptions};
+use spotguard_store::{Instance, Store, UploadOptions};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tracing::{error, info, warn};
+
+use crate::cli::RunArgs;
+use crate::{exit_code, hostname, restore_newest};
+
+/// Pause before looking again when other workers hold the remaining shards.
+const WAIT_FOR_OTHERS: Duration = Duration::from_secs(2);
+
+pub(crate) async fn run_queue(args: &RunArgs, base: RunOptions, store: Store) -> u8 {
+    let queue = Queue::new(store.job(&base.job));
+    let worker = format!("{}-{}", hostname(), std::process::id());
+    loop {
+        let lease = match queue
+            .claim(&worker, args.lease_ttl, args.max_attempts)
+            .await
+        {
+            Ok(l) => l,
+            Err(e) => {
+                error!("failed to claim a shard: {e}");
+                return exit_code::SETUP_FAILED;
+            }
+        };
+        let Some(lease) = lease else {
+            let counts = match queue.counts().await {
+                Ok(c) => c,
+                Err(e) => {
+                    error!("failed to read the queue: {e}");
+                    return exit_code::SETUP_FAILED;
+                }
+            };
+            if counts.pending == 0 && counts.leased == 0 {
+                info!(
+                    done = counts.done,
+                    failed = counts.failed,
+                    "the queue is drained"
+                );
+                if counts.failed > 0 {
+                    warn!(
+                        "{} shard(s) failed for good; `spotguard queue status` lists them",
+                        counts.failed
+                    );
+                }
+                return 0;
+            }
+            // Others hold the rest; their leases may expire or be released: look again soon.
+            if wait_or_stop(WAIT_FOR_OTHERS).await {
+                return exit_code::PREEMPTED;
+            }
+            continue;
+        };
+        match run_shard(args, &base, &store, lease).await {
+            ShardEnd::Next => {}
+            ShardEnd::Exit(code) => return code,
+        }
+    }
+}
+
+enum ShardEnd {
+    Next,
+    Exit(u8),
+}
+
+async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Lease) -> ShardEnd {
+    let id = lease.id;
+    let remaining = lease.remaining();
+    info!(
+        shard = id,
+        attempt = lease.state().attempts,
+        "claimed shard {id}: {} item(s) to do",
+        remaining.len()
+    );
+    let dir = base
+        .state_dir
+        .join("jobs")
+        .join(&base.job)
+        .join("shards")
+        .join(format!("{id:08}"));
+    let (items_file, progress_file) = (dir.join("items.txt"), dir.join("progress.txt"));
+    let written = std::fs::create_dir_all(&dir)
+        .and_then(|()| {
+            std::fs::write(
+                &items_file,
+                remaining
+                    .iter()
+                    .map(|i| format!("{i}\n"))
+                    .collect::<String>(),
+            )
+        })
+        .and_then(|()| std::fs::write(&progress_file, ""));
+    if let Err(e) = written {
+        error!("failed to prepare {}: {e}", dir.display());
+        return ShardEnd::Exit(exit_code::SETUP_FAILED);
+    }
+
+    // Checkpoints and resume are the shard's own.
+    let mut opts = base.clone();
+    let shard_job = store.job(&format!("{}.shard-{id:08}", base.job));
+    let ckpt_dir = dir.join("checkpoints");
+    if !args.no_resume {
+        match restore_newest(&shard_job, &ckpt_dir).await {
+            Ok(Some((m, rep))) => {
+                opts.env
+                    .push(("SPOTGUARD_RESUME_DIR".into(), rep.path.into_os_string()));
+                opts.env
+                    .push(("SPOTGUARD_RESUME_NAME".into(), m.name.into()));
+                opts.env
+                    .push(("SPOTGUARD_RESUME_SEQ".into(), m.seq.to_string().into()));
+            }
+            Ok(None) => {}
+            Err(e) => warn!(
+                shard = id,
+                "cannot resume the shard's checkpoint, starting it afresh: {e}"
+            ),
+        }
+    }
+    opts.env
+        .push(("SPOTGUARD_SHARD_ID".into(), id.to_string().into()));
+    opts.env
+        .push(("SPOTGUARD_SHARD_ITEMS".into(), items_file.into_os_string()));
+    opts.env.push((
+        "SPOTGUARD_PROGRESS_FILE".into(),
+        progress_file.clone().into_os_string(),
+    ));
+    opts.checkpoints = Some(Checkpoints {
+        dir: ckpt_dir,
+        store: shard_job,
+        opts: CheckpointOptions {
+            settle: args.settle,
+            keep: args.keep as usize,
+            upload: UploadOptions {
+                part_size: args.part_size as usize,
+                concurrency: args.upload_concurrency as usize,
+                instance: Instance {
+                    hostname: hostname(),
+                    ..Instance::default()
+                },
+                ..UploadOptions::default()
+            },
+            ..CheckpointOptions::default()
+        },
+    });
+    let lost = Arc::new(Notify::new());
+    opts.sources.push(Arc::new(LeaseLost {
+        lost: lost.clone(),
+        grace: args.grace,
+    }));
+    let (stop_keeper, stop_rx) = oneshot::channel();
+    let keeper = tokio::spawn(keep_lease(
+        lease,
+        args.lease_ttl,
+        progress_file.clone(),
+        lost,
+        stop_rx,
+    ));
+
+    let result = spotguard_session::run(opts).await;
+    let _ = stop_keeper.send(());
+    let lease = keeper.await.expect("the lease keeper does not panic");
+    let done = read_progress(&progress_file);
+
+    let Some(lease) = lease else {
+        warn!(shard = id, "the lease on shard {id} was lost; moving on");
+        return ShardEnd::Next;
+    };
+    let settle = |what: &str, res: Result<(), QueueError>| match res {
+        Ok(()) => info!(shard = id, "shard {id} {what}"),
+        Err(e) => warn!(shard = id, "failed to mark shard {id} {what}: {e}"),
+    };
+    match result {
+        Ok(o) if o.preempted.is_some() => {
+            settle("released with its progress", lease.release(&done).await);
+            ShardEnd::Exit(if o.upload_failed() {
+                exit_code::UPLOAD_FAILED
+            } else {
+                exit_code::PREEMPTED
+            })
+        }
+        Ok(o) if o.end.success() && !o.upload_failed() => {
+            settle("done", lease.done(&done).await);
+            ShardEnd::Next
+        }
+        Ok(o) => {
+            let status = i32::from(if o.upload_failed() {
+                exit_code::UPLOAD_FAILED
+            } else {
+                o.end.exit_code()
+            });
+            settle(
+                &format!("failed (exit status {status})"),
+                lease.fail(status, args.max_attempts, &done).await,
+            );
+            ShardEnd::Next
+        }
+        Err(e) => {
+            error!(shard = id, "{e}");
+            settle(
+                "failed",
+                lease
+                    .fail(i32::from(exit_code::SETUP_FAILED), args.max_attempts, &done)
+                    .await,
+            );
+            ShardEnd::Next
+        }
+    }
+}
+
+/// Renews the lease every third of its TTL, recording progress with each renewal. Returns the
+/// lease when told to stop, `None` once it was lost (after waking the `LeaseLost` source).
+async fn keep_lease(
+    mut lease: Lease,
+    ttl: Duration,
+    progress: PathBuf,
+    lost: Arc<Notify>,
+    mut stop: oneshot::Receiver<()>,
+) -> Option<Lease> {
+    let period = ttl / 3;
+    loop {
+        tokio::select! {
+            _ = &mut stop => return Some(lease),
+            () = tokio::time::sleep(period) => {
+                match lease.renew(ttl, &read_progress(&progress)).await {
+                    Ok(()) => {}
+                    Err(QueueError::Fenced { .. }) => {
+                        lost.notify_one();
+                        return None;
+                    }
+                    // A store hiccup: try again next period; the lease has slack until then.
+                    Err(e) => warn!(shard = lease.id, "failed to renew the lease: {e}"),
+                }
+            }
+        }
+    }
+}
+
+/// Items the command recorded as finished, one per line.
+fn read_progress(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .map(|t| {
+            t.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A notice source that fires when the shard's lease is lost: the command must stop, since
+/// another worker owns the shard now.
+#[derive(Debug)]
+struct LeaseLost {
+    lost: Arc<Notify>,
+    grace: Duration,
+}
+
+impl NoticeSource for LeaseLost {
+    fn source(&self) -> Source {
+        Source::Other("lease")
+    }
+
+    fn probe(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async { true })
+    }
+
+    fn watch(self: Arc<Self>, tx: mpsc::Sender<Notice>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            self.lost.notified().await;
+            let n = Notice::terminate(
+                Source::Other("lease"),
+                SystemTime::now() + self.grace,
+                "the shard's lease was lost to another worker",
+            );
+            let _ = tx.send(n).await;
+        })
+    }
+}
+
+/// Sleeps `d`; true when SIGTERM/SIGINT came meanwhile (stop).
+async fn wait_or_stop(d: Duration) -> bool {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tokio::time::sleep(d).await;
+        return false;
+    };
+    tokio::select! {
+        () = tokio::time::sleep(d) => false,
+        _ = term.recv() => true,
+        _ = int.recv() => true,
+    }
+}
