@@ -238,6 +238,11 @@ pub struct RunArgs {
     #[arg(long)]
     pub queue: bool,
 
+    /// Upload every result file the command finishes in DIR to <job>/outputs/ as soon as it
+    /// is closed (rendered frames, processed shards).
+    #[arg(long, value_name = "DIR")]
+    pub outputs: Option<PathBuf>,
+
     /// Queue lease time; renewed every third of it while the command runs.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub lease_ttl: Duration,

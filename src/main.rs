@@ -271,6 +271,39 @@ fn shell_quote(s: &str) -> String {
 }
 
 /// Opens and checks the store named by `args`; a one-line error otherwise.
+/// Starts the `--outputs` uploader, if asked for.
+pub(crate) fn start_outputs(
+    args: &RunArgs,
+    job: &spotguard_store::JobStore,
+) -> Result<Option<spotguard_checkpoint::outputs::Outputs>, u8> {
+    let Some(dir) = &args.outputs else {
+        return Ok(None);
+    };
+    let opts = spotguard_store::UploadOptions {
+        part_size: args.part_size as usize,
+        concurrency: args.upload_concurrency as usize,
+        ..spotguard_store::UploadOptions::default()
+    };
+    spotguard_checkpoint::outputs::Outputs::start(dir, job.clone(), opts)
+        .map(Some)
+        .map_err(|e| {
+            error!("{e}");
+            exit_code::SETUP_FAILED
+        })
+}
+
+/// Uploads what the command left in `--outputs`; true when some output could not be uploaded.
+pub(crate) async fn finish_outputs(
+    outputs: Option<spotguard_checkpoint::outputs::Outputs>,
+) -> bool {
+    let Some(outputs) = outputs else { return false };
+    let report = outputs.finish().await;
+    for (rel, why) in &report.failed {
+        error!(output = %rel, "output NOT uploaded: {why}");
+    }
+    !report.failed.is_empty()
+}
+
 /// The store, or the exit code after logging why not.
 pub(crate) async fn store_or_exit(args: &StoreArgs) -> Result<Store, u8> {
     open_store(args).await.map_err(|e| {

@@ -169,7 +169,12 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
         stop_rx,
     ));
 
+    let outputs = match crate::start_outputs(args, &store.job(&base.job)) {
+        Ok(o) => o,
+        Err(code) => return ShardEnd::Exit(code),
+    };
     let result = spotguard_session::run(opts).await;
+    let outputs_failed = crate::finish_outputs(outputs).await;
     let _ = stop_keeper.send(());
     let lease = keeper.await.expect("the lease keeper does not panic");
     let done = read_progress(&progress_file);
@@ -191,7 +196,7 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
                 exit_code::PREEMPTED
             })
         }
-        Ok(o) if o.end.success() && !o.upload_failed() => {
+        Ok(o) if o.end.success() && !o.upload_failed() && !outputs_failed => {
             settle("done", lease.done(&done).await);
             ShardEnd::Next
         }

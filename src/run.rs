@@ -90,12 +90,17 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
             warn!("failed to record the attempt: {e}");
         }
         let heartbeat = tokio::spawn(heartbeat(job.clone(), attempt.clone()));
+        let outputs = match crate::start_outputs(&args, &job) {
+            Ok(o) => o,
+            Err(code) => return code,
+        };
         let result = spotguard_session::run(opts).await;
+        let outputs_failed = crate::finish_outputs(outputs).await;
         heartbeat.abort();
         let _ = heartbeat.await;
 
         let code = match &result {
-            Ok(outcome) if outcome.upload_failed() => {
+            Ok(outcome) if outcome.upload_failed() || outputs_failed => {
                 error!(
                     "exiting with {}: the newest checkpoint is not durable (the command {})",
                     exit_code::UPLOAD_FAILED,

@@ -246,3 +246,49 @@ fn a_failing_shard_is_retried_then_failed_and_the_rest_finishes() {
         "{shard}"
     );
 }
+
+/// The render farm: each frame is uploaded as soon as it is written and closed, while the
+/// command is still rendering the next one.
+#[test]
+fn outputs_are_uploaded_as_each_file_is_closed() {
+    let store = tempfile::tempdir().expect("store");
+    let setup = tempfile::tempdir().expect("state");
+    let s = store.path().to_str().expect("utf-8");
+    assert_eq!(
+        run_to_end(
+            setup.path(),
+            &[
+                "queue",
+                "create",
+                "--store",
+                s,
+                "--range",
+                "1..=3",
+                "--shard-size",
+                "3"
+            ]
+        )
+        .code(),
+        0
+    );
+    let frames = setup.path().join("frames");
+    let uploaded = store.path().join("default/outputs");
+    // Frame i+1 is only rendered once frame i is in the store: the upload cannot wait for the end.
+    let script = format!(
+        r#"while read i; do echo "frame $i" > "{frames}/frame-$i.txt"; n=0; until [ -f "{up}/frame-$i.txt" ]; do n=$((n+1)); [ $n -gt 200 ] && exit 9; sleep 0.05; done; echo $i >> "$SPOTGUARD_PROGRESS_FILE"; done < "$SPOTGUARD_SHARD_ITEMS""#,
+        frames = frames.display(),
+        up = uploaded.display()
+    );
+    let (_w, cmd) = worker(
+        store.path(),
+        &script,
+        &["--outputs", frames.to_str().expect("utf-8")],
+    );
+    let f = Proc::start(cmd).finish();
+    assert_eq!(f.code(), 0, "{}", f.stderr);
+    for i in 1..=3 {
+        let body = std::fs::read_to_string(uploaded.join(format!("frame-{i}.txt")))
+            .expect("uploaded frame");
+        assert_eq!(body, format!("frame {i}\n"));
+    }
+}

@@ -4,6 +4,7 @@
 //! One actor owns all of it (the `notify` watcher, the per-entry state, the one upload in
 //! flight); the session talks to it through [`Checkpointer`].
 
+pub mod outputs;
 pub mod rules;
 pub mod writers;
 

@@ -244,6 +244,36 @@ impl JobStore {
         Ok((entry, true))
     }
 
+    /// Uploads one finished output file to `<job>/outputs/<rel>` (retried like checkpoint
+    /// files). Returns its CRC-64/NVME. Outputs are results, not checkpoints: no manifest.
+    pub async fn upload_output(
+        &self,
+        rel: &str,
+        path: &std::path::Path,
+        opts: &UploadOptions,
+    ) -> Result<String, Error> {
+        let meta = std::fs::metadata(path).map_err(|source| Error::Local {
+            path: path.to_owned(),
+            source,
+        })?;
+        let file = LocalFile {
+            rel: rel.to_owned(),
+            path: path.to_owned(),
+            size: meta.len(),
+            mtime_ns: crate::scan::mtime_ns(&meta),
+        };
+        let mut key = self.layout().job().clone().join("outputs");
+        for part in rel.split('/') {
+            key = key.join(part);
+        }
+        let sem = Arc::new(Semaphore::new(opts.concurrency.max(1)));
+        let what = format!("upload of {}", path.display());
+        retrying(&what, opts.attempts, || {
+            self.put_file(&file, &key, &sem, opts.part_size)
+        })
+        .await
+    }
+
     /// One attempt at one file: a single PUT when it fits in a part, else a multipart upload
     /// whose parts are read, checksummed and sent as they come.
     async fn put_file(
