@@ -88,6 +88,22 @@ impl Queue {
         self.dir().join("state").join(format!("{id:08}.json"))
     }
 
+    /// `done/<id>`: written after a shard is done, so one LIST tells a claimer which shards
+    /// it need not look at (a done shard never changes again).
+    fn done_key(&self, id: u32) -> Path {
+        self.dir().join("done").join(format!("{id:08}"))
+    }
+
+    async fn done_ids(&self) -> Result<std::collections::HashSet<u32>, Error> {
+        Ok(self
+            .store
+            .list_keys(&self.dir().join("done"))
+            .await?
+            .iter()
+            .filter_map(|k| k.filename().and_then(|f| f.parse().ok()))
+            .collect())
+    }
+
     async fn meta(&self) -> Result<Option<(Meta, UpdateVersion)>, Error> {
         match self.store.read_versioned(&self.meta_key()).await? {
             Some((b, v)) => Ok(Some((parse(&self.meta_key(), &b)?, v))),
@@ -202,8 +218,12 @@ impl Queue {
         // instead of all fighting over shard 0.
         let n = meta.shards.max(1);
         let start = (crc32(worker) % n as u64) as u32;
+        let done = self.done_ids().await?;
         for k in 0..meta.shards {
             let id = (start + k) % n;
+            if done.contains(&id) {
+                continue;
+            }
             let key = self.state_key(id);
             let current = self.store.read_versioned(&key).await?;
             let (state, expect) = match current {
@@ -297,7 +317,15 @@ impl Lease {
     /// The shard is done.
     pub async fn done(mut self, done: &[String]) -> Result<(), Error> {
         let next = self.state.with_progress(done).finished();
-        self.swap(next).await
+        self.swap(next).await?;
+        // Only a hint for claimers (the state object is the truth): a failure here costs a GET.
+        let key = self.queue.done_key(self.id);
+        let _ = self
+            .queue
+            .store
+            .write_if(&key, Bytes::from_static(b"done"), Expect::Absent)
+            .await;
+        Ok(())
     }
 
     /// Gives the shard back at once (a preemption): pending again, progress kept.
