@@ -7,11 +7,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use spotguard_checkpoint::CheckpointOptions;
 use spotguard_notice::{BoxFuture, Notice, NoticeSource, Source};
 use spotguard_queue::{Error as QueueError, Lease, Queue};
-use spotguard_session::{Checkpoints, RunOptions};
-use spotguard_store::{Instance, Store, UploadOptions};
+use spotguard_session::RunOptions;
+use spotguard_store::Store;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::{error, info, warn};
@@ -137,24 +136,7 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
         "SPOTGUARD_PROGRESS_FILE".into(),
         progress_file.clone().into_os_string(),
     ));
-    opts.checkpoints = Some(Checkpoints {
-        dir: ckpt_dir,
-        store: shard_job,
-        opts: CheckpointOptions {
-            settle: args.settle,
-            keep: args.keep as usize,
-            upload: UploadOptions {
-                part_size: args.part_size as usize,
-                concurrency: args.upload_concurrency as usize,
-                instance: Instance {
-                    hostname: hostname(),
-                    ..Instance::default()
-                },
-                ..UploadOptions::default()
-            },
-            ..CheckpointOptions::default()
-        },
-    });
+    opts.checkpoints = Some(crate::run::checkpoints(args, ckpt_dir, shard_job));
     let lost = Arc::new(Notify::new());
     opts.sources.push(Arc::new(LeaseLost {
         lost: lost.clone(),

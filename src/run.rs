@@ -4,9 +4,9 @@
 use std::time::SystemTime;
 
 use spotguard_checkpoint::CheckpointOptions;
-use spotguard_session::{Checkpoints, Outcome};
+use spotguard_session::{Checkpoints, Outcome, RunOptions};
 use spotguard_store::{
-    Attempt, AttemptOutcome, CheckpointRef, HEARTBEAT, Instance, JobStore, NoticeRecord,
+    Attempt, AttemptOutcome, CheckpointRef, HEARTBEAT, Instance, JobStore, Manifest, NoticeRecord,
     UploadOptions,
 };
 use tokio::signal::unix::{SignalKind, signal};
@@ -50,12 +50,7 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
         if !args.no_resume {
             match restore_newest(&job, &dir).await {
                 Ok(Some((m, rep))) => {
-                    opts.env
-                        .push(("SPOTGUARD_RESUME_DIR".into(), rep.path.into_os_string()));
-                    opts.env
-                        .push(("SPOTGUARD_RESUME_NAME".into(), m.name.clone().into()));
-                    opts.env
-                        .push(("SPOTGUARD_RESUME_SEQ".into(), m.seq.to_string().into()));
+                    resume_env(&mut opts, &m, rep.path.clone());
                     resumed_from = Some(CheckpointRef {
                         seq: m.seq,
                         name: m.name,
@@ -69,21 +64,7 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
                 }
             }
         }
-        opts.checkpoints = Some(Checkpoints {
-            dir: dir.clone(),
-            store: job.clone(),
-            opts: CheckpointOptions {
-                settle: args.settle,
-                keep: args.keep as usize,
-                upload: UploadOptions {
-                    part_size: args.part_size as usize,
-                    concurrency: args.upload_concurrency as usize,
-                    instance: instance.clone(),
-                    ..UploadOptions::default()
-                },
-                ..CheckpointOptions::default()
-            },
-        });
+        opts.checkpoints = Some(checkpoints(&args, dir.clone(), job.clone()));
 
         let mut attempt = Attempt::begin(instance.clone(), resumed_from);
         if let Err(e) = job.record_attempt(&mut attempt).await {
@@ -156,6 +137,38 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
             _ = term.recv() => return exit_code::PREEMPTED,
             _ = int.recv() => return exit_code::PREEMPTED,
         }
+    }
+}
+
+/// The command's `SPOTGUARD_RESUME_*` variables for a restored checkpoint.
+pub(crate) fn resume_env(opts: &mut RunOptions, m: &Manifest, path: std::path::PathBuf) {
+    opts.env
+        .push(("SPOTGUARD_RESUME_DIR".into(), path.into_os_string()));
+    opts.env
+        .push(("SPOTGUARD_RESUME_NAME".into(), m.name.clone().into()));
+    opts.env
+        .push(("SPOTGUARD_RESUME_SEQ".into(), m.seq.to_string().into()));
+}
+
+/// Where the command's checkpoints go and how, from the run flags.
+pub(crate) fn checkpoints(args: &RunArgs, dir: std::path::PathBuf, store: JobStore) -> Checkpoints {
+    Checkpoints {
+        dir,
+        store,
+        opts: CheckpointOptions {
+            settle: args.settle,
+            keep: args.keep as usize,
+            upload: UploadOptions {
+                part_size: args.part_size as usize,
+                concurrency: args.upload_concurrency as usize,
+                instance: Instance {
+                    hostname: hostname(),
+                    ..Instance::default()
+                },
+                ..UploadOptions::default()
+            },
+            ..CheckpointOptions::default()
+        },
     }
 }
 

@@ -8,11 +8,11 @@ mod support;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use spotguard_testkit::S3Server;
-use support::{FakeCloud, Proc, spotguard};
+use support::{FakeCloud, Proc, Rng, spotguard};
 
 const STEPS: &str = "600";
 const TRAIN_ARGS: [&str; 6] = [
@@ -38,24 +38,9 @@ fn done_line(stdout: &str) -> String {
         .to_owned()
 }
 
-/// A small LCG: random preemption points, reproducible from the seed printed on failure.
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % n
-    }
-}
-
 fn preempted_three_times(source: &str) {
-    let seed = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .expect("clock")
-        .as_nanos() as u64;
-    let mut rng = Rng(seed);
+    let mut rng = Rng::from_clock();
+    let seed = rng.0;
     let reference = Command::new("python3")
         .arg(train())
         .args(TRAIN_ARGS)

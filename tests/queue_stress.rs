@@ -7,32 +7,18 @@
 
 mod support;
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use spotguard_testkit::S3Server;
-use support::{Proc, spotguard};
+use support::{Proc, Rng, spotguard};
 
 const WORKERS: usize = 16;
 const KILLS: usize = 24;
 
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % n
-    }
-}
-
 fn stress(store_url: &str, envs: &[(&'static str, String)], shards: u32) {
-    let seed = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .expect("clock")
-        .as_nanos() as u64;
-    let mut rng = Rng(seed);
+    let mut rng = Rng::from_clock();
+    let seed = rng.0;
     let root = tempfile::tempdir().expect("tempdir");
     let results = root.path().join("results");
     std::fs::create_dir_all(&results).expect("mkdir");

@@ -300,3 +300,24 @@ trap 'echo notice; cat "$SPOTGUARD_NOTICE_FILE"; exit 0' TERM
 echo ready
 while :; do sleep 30 & wait $!; done
 "#;
+
+/// A small LCG for random choices in tests, reproducible from the seed a test prints.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// Seeded from the clock; print `.0` on failure to reproduce.
+    pub fn from_clock() -> Rng {
+        Rng(std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_nanos() as u64)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
