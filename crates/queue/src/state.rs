@@ -140,4 +140,86 @@ mod tests {
         assert_eq!((s.phase, s.last_exit_status), (Phase::Failed, Some(7)));
         assert!(!s.claimable(u64::MAX, 2));
     }
+
+    /// A model of the store: one shard, a compare-and-swap register, many workers acting in
+    /// random order with a clock that jumps. Whatever the interleaving: never two workers with
+    /// a live lease, a worker whose version is stale can change nothing, and done is final.
+    #[test]
+    fn random_interleavings_keep_the_invariants() {
+        for seed in 1..=200u64 {
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut rnd = |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n
+            };
+            // (state, version) in the store; each worker's last-written version, if any.
+            let (mut state, mut version) = (ShardState::default(), 0u64);
+            let mut held: Vec<Option<u64>> = vec![None; 4];
+            let mut now = 0u64;
+            let mut done_seen = false;
+            for _ in 0..300 {
+                let w = rnd(4) as usize;
+                let ttl = Duration::from_millis(rnd(50));
+                now += rnd(30);
+                let cas = |expect: Option<u64>,
+                           next: ShardState,
+                           state: &mut ShardState,
+                           version: &mut u64| {
+                    if expect == Some(*version) {
+                        *state = next;
+                        *version += 1;
+                        Some(*version)
+                    } else {
+                        None
+                    }
+                };
+                match rnd(5) {
+                    0 => {
+                        if state.claimable(now, 3) {
+                            let name = format!("w{w}");
+                            held[w] = cas(
+                                Some(version),
+                                state.claimed(&name, now, ttl),
+                                &mut state,
+                                &mut version,
+                            );
+                        }
+                    }
+                    1 => {
+                        let next = state.renewed(now, ttl);
+                        let ok = cas(held[w], next, &mut state, &mut version);
+                        held[w] = ok.or(held[w]);
+                    }
+                    2 => {
+                        let next = state.finished();
+                        if cas(held[w], next, &mut state, &mut version).is_some() {
+                            done_seen = true;
+                        }
+                    }
+                    3 => {
+                        let next = state.released();
+                        let _ = cas(held[w], next, &mut state, &mut version);
+                    }
+                    _ => {
+                        let next = state.failed(1, 3);
+                        let _ = cas(held[w], next, &mut state, &mut version);
+                    }
+                }
+                // Only the worker holding the current version can have a live lease.
+                let live: Vec<usize> = (0..4)
+                    .filter(|&i| held[i] == Some(version) && state.phase_at(now) == Phase::Leased)
+                    .collect();
+                assert!(live.len() <= 1, "seed {seed}: two live leases {live:?}");
+                if done_seen {
+                    assert_eq!(state.phase, Phase::Done, "seed {seed}: done was undone");
+                    assert!(
+                        !state.claimable(u64::MAX, 3),
+                        "seed {seed}: a done shard is claimable"
+                    );
+                }
+            }
+        }
+    }
 }
