@@ -58,6 +58,9 @@ pub struct Counts {
 #[derive(Clone, Debug)]
 pub struct Queue {
     store: JobStore,
+    /// Shard count last read from `meta.json`: claims read it again only when they find
+    /// nothing to claim (an append may have added shards), saving a GET per claim.
+    known_shards: std::sync::Arc<std::sync::atomic::AtomicU32>,
 }
 
 fn now_ms() -> u64 {
@@ -69,7 +72,10 @@ fn now_ms() -> u64 {
 
 impl Queue {
     pub fn new(store: JobStore) -> Queue {
-        Queue { store }
+        Queue {
+            store,
+            known_shards: Default::default(),
+        }
     }
 
     fn dir(&self) -> Path {
@@ -211,15 +217,38 @@ impl Queue {
         ttl: Duration,
         max_attempts: u32,
     ) -> Result<Option<Lease>, Error> {
+        use std::sync::atomic::Ordering;
+        let cached = self.known_shards.load(Ordering::Relaxed);
+        if cached > 0
+            && let Some(lease) = self.claim_among(cached, worker, ttl, max_attempts).await?
+        {
+            return Ok(Some(lease));
+        }
+        // Nothing among the shards we knew of (or we knew none): the queue may have grown.
         let Some((meta, _)) = self.meta().await? else {
             return Ok(None);
         };
+        self.known_shards.store(meta.shards, Ordering::Relaxed);
+        if meta.shards == cached {
+            return Ok(None);
+        }
+        self.claim_among(meta.shards, worker, ttl, max_attempts)
+            .await
+    }
+
+    async fn claim_among(
+        &self,
+        shards: u32,
+        worker: &str,
+        ttl: Duration,
+        max_attempts: u32,
+    ) -> Result<Option<Lease>, Error> {
         // Start the scan at a worker-dependent offset: many workers starting at once spread out
         // instead of all fighting over shard 0.
-        let n = meta.shards.max(1);
+        let n = shards.max(1);
         let start = (crc32(worker) % n as u64) as u32;
         let done = self.done_ids().await?;
-        for k in 0..meta.shards {
+        for k in 0..shards {
             let id = (start + k) % n;
             if done.contains(&id) {
                 continue;
