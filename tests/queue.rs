@@ -98,6 +98,24 @@ fn worker(
 const WORK: &str = r#"trap 'exit 0' TERM
 while read i; do echo "$i" >> "$SPOTGUARD_PROGRESS_FILE"; echo "did $SPOTGUARD_SHARD_ID:$i"; [ -n "$SLOW" ] && sleep 0.3; done < "$SPOTGUARD_SHARD_ITEMS""#;
 
+/// `queue create --range RANGE --shard-size SIZE` on `store`, which must succeed.
+fn create_queue(state: &Path, store: &str, range: &str, size: &str) {
+    let f = run_to_end(
+        state,
+        &[
+            "queue",
+            "create",
+            "--store",
+            store,
+            "--range",
+            range,
+            "--shard-size",
+            size,
+        ],
+    );
+    assert_eq!(f.code(), 0, "{}", f.stderr);
+}
+
 fn outputs(stdout: &str) -> Vec<String> {
     stdout
         .lines()
@@ -111,23 +129,7 @@ fn two_workers_drain_the_queue_each_item_once() {
     let store = tempfile::tempdir().expect("store");
     let setup = tempfile::tempdir().expect("state");
     let s = store.path().to_str().expect("utf-8");
-    assert_eq!(
-        run_to_end(
-            setup.path(),
-            &[
-                "queue",
-                "create",
-                "--store",
-                s,
-                "--range",
-                "1..=40",
-                "--shard-size",
-                "4"
-            ]
-        )
-        .code(),
-        0
-    );
+    create_queue(setup.path(), s, "1..=40", "4");
     let (_a, a) = worker(store.path(), WORK, &[]);
     let (_b, b) = worker(store.path(), WORK, &[]);
     let (a, b) = (Proc::start(a), Proc::start(b));
@@ -150,23 +152,7 @@ fn a_preempted_worker_releases_its_shard_with_progress() {
     let store = tempfile::tempdir().expect("store");
     let setup = tempfile::tempdir().expect("state");
     let s = store.path().to_str().expect("utf-8");
-    assert_eq!(
-        run_to_end(
-            setup.path(),
-            &[
-                "queue",
-                "create",
-                "--store",
-                s,
-                "--range",
-                "1..=6",
-                "--shard-size",
-                "6"
-            ]
-        )
-        .code(),
-        0
-    );
+    create_queue(setup.path(), s, "1..=6", "6");
     let (_a, mut a) = worker(store.path(), WORK, &["--lease-ttl", "1h"]);
     a.env("SLOW", "1");
     let a = Proc::start(a);
@@ -203,23 +189,7 @@ fn a_failing_shard_is_retried_then_failed_and_the_rest_finishes() {
     let store = tempfile::tempdir().expect("store");
     let setup = tempfile::tempdir().expect("state");
     let s = store.path().to_str().expect("utf-8");
-    assert_eq!(
-        run_to_end(
-            setup.path(),
-            &[
-                "queue",
-                "create",
-                "--store",
-                s,
-                "--range",
-                "1..=4",
-                "--shard-size",
-                "1"
-            ]
-        )
-        .code(),
-        0
-    );
+    create_queue(setup.path(), s, "1..=4", "1");
     let script = r#"[ "$SPOTGUARD_SHARD_ID" = 2 ] && exit 3; cat "$SPOTGUARD_SHARD_ITEMS" > "$SPOTGUARD_PROGRESS_FILE""#;
     let (_w, cmd) = worker(store.path(), script, &["--max-attempts", "2"]);
     let f = Proc::start(cmd).finish();
@@ -254,23 +224,7 @@ fn outputs_are_uploaded_as_each_file_is_closed() {
     let store = tempfile::tempdir().expect("store");
     let setup = tempfile::tempdir().expect("state");
     let s = store.path().to_str().expect("utf-8");
-    assert_eq!(
-        run_to_end(
-            setup.path(),
-            &[
-                "queue",
-                "create",
-                "--store",
-                s,
-                "--range",
-                "1..=3",
-                "--shard-size",
-                "3"
-            ]
-        )
-        .code(),
-        0
-    );
+    create_queue(setup.path(), s, "1..=3", "3");
     let frames = setup.path().join("frames");
     let uploaded = store.path().join("default/outputs");
     // Frame i+1 is only rendered once frame i is in the store: the upload cannot wait for the end.

@@ -484,43 +484,20 @@ fn restore_refuses_paths_outside_the_target() {
     assert!(spotguard_store::check_paths(&m("step-1", "sub/w.bin")).is_ok());
 }
 
+/// Runs every case against one backend, each in its own test.
 macro_rules! suite {
     ($backend:ident, $make:expr) => {
+        suite!($backend, $make, [commit_round_trip, unchanged_files_are_referenced_and_survive_retention, retention_keeps_the_newest, manifests_are_create_if_absent, an_unfinished_upload_is_invisible_and_collected, restore_verifies_and_skips_identical_copies, a_damaged_newest_checkpoint_falls_back_to_the_previous, a_file_changed_during_upload_is_not_committed]);
+    };
+    ($backend:ident, $make:expr, [$($case:ident),*]) => {
         mod $backend {
             use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn commit_round_trip() {
-                super::commit_round_trip($make).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn unchanged_files_are_referenced_and_survive_retention() {
-                super::unchanged_files_are_referenced_and_survive_retention($make).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn retention_keeps_the_newest() {
-                super::retention_keeps_the_newest($make).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn manifests_are_create_if_absent() {
-                super::manifests_are_create_if_absent($make).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn an_unfinished_upload_is_invisible_and_collected() {
-                super::an_unfinished_upload_is_invisible_and_collected($make).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn restore_verifies_and_skips_identical_copies() {
-                super::restore_verifies_and_skips_identical_copies($make).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_damaged_newest_checkpoint_falls_back_to_the_previous() {
-                super::a_damaged_newest_checkpoint_falls_back_to_the_previous($make).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_file_changed_during_upload_is_not_committed() {
-                super::a_file_changed_during_upload_is_not_committed($make).await
-            }
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case($make).await
+                }
+            )*
         }
     };
 }
