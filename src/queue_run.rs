@@ -36,13 +36,8 @@ pub(crate) async fn run_queue(args: &RunArgs, base: RunOptions, store: Store) ->
             }
         };
         let Some(lease) = lease else {
-            let counts = match queue.counts().await {
-                Ok(c) => c,
-                Err(e) => {
-                    error!("failed to read the queue: {e}");
-                    return exit_code::SETUP_FAILED;
-                }
-            };
+            // The claim just looked at every shard not known finished: what it saw is current.
+            let counts = queue.seen();
             if counts.pending == 0 && counts.leased == 0 {
                 info!(
                     done = counts.done,
@@ -111,7 +106,9 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
     let mut opts = base.clone();
     let shard_job = store.job(&format!("{}.shard-{id:08}", base.job));
     let ckpt_dir = dir.join("checkpoints");
-    if !args.no_resume {
+    // The shard's first attempt: nothing of it can be in the store yet.
+    let fresh = lease.state().attempts <= 1;
+    if !args.no_resume && !fresh {
         match restore_newest(&shard_job, &ckpt_dir).await {
             Ok(Some((m, rep))) => {
                 opts.env
@@ -136,7 +133,9 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
         "SPOTGUARD_PROGRESS_FILE".into(),
         progress_file.clone().into_os_string(),
     ));
-    opts.checkpoints = Some(crate::run::checkpoints(args, ckpt_dir, shard_job));
+    let mut checkpoints = crate::run::checkpoints(args, ckpt_dir, shard_job);
+    checkpoints.opts.fresh = fresh;
+    opts.checkpoints = Some(checkpoints);
     let lost = Arc::new(Notify::new());
     opts.sources.push(Arc::new(LeaseLost {
         lost: lost.clone(),

@@ -34,6 +34,9 @@ pub struct CheckpointOptions {
     /// A failed upload is tried again after this long.
     pub retry_after: Duration,
     pub upload: UploadOptions,
+    /// The job's prefix is known to hold nothing yet (a queue shard's first attempt): skip
+    /// the start-up look for committed checkpoints and abandoned uploads.
+    pub fresh: bool,
 }
 
 impl Default for CheckpointOptions {
@@ -44,6 +47,7 @@ impl Default for CheckpointOptions {
             keep: 3,
             retry_after: Duration::from_secs(15),
             upload: UploadOptions::default(),
+            fresh: false,
         }
     }
 }
@@ -125,12 +129,16 @@ impl Checkpointer {
         watcher
             .watch(&dir, RecursiveMode::Recursive)
             .map_err(|e| dir_err(format!("cannot watch it: {e}")))?;
-        match store.abort_abandoned_uploads().await {
-            Ok(0) => {}
-            Ok(n) => info!("aborted {n} multipart upload(s) an earlier run left unfinished"),
-            Err(e) => warn!("failed to look for unfinished multipart uploads: {e}"),
-        }
-        let manifests = store.committed().await?;
+        let manifests = if opts.fresh {
+            Vec::new()
+        } else {
+            match store.abort_abandoned_uploads().await {
+                Ok(0) => {}
+                Ok(n) => info!("aborted {n} multipart upload(s) an earlier run left unfinished"),
+                Err(e) => warn!("failed to look for unfinished multipart uploads: {e}"),
+            }
+            store.committed().await?
+        };
         // The newest committed write: anything older is superseded and never uploaded, so
         // sequence numbers follow the order the checkpoints were written.
         let newest_committed = manifests
