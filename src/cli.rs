@@ -54,6 +54,53 @@ pub enum Command {
     /// Show a job's attempts and whether it is completed.
     #[command(after_help = "Exit status: 0 the job is completed, 4 not yet, 70 error.")]
     Status(LsArgs),
+    /// What the job cost and what preemptions took: time, lost work, overhead, the saving
+    /// against on-demand, and the checkpoint interval to use.
+    #[command(after_help = REPORT_AFTER_HELP)]
+    Report(ReportArgs),
+}
+
+const REPORT_AFTER_HELP: &str = "\
+Prices are per instance-hour. Billable time is each attempt's wall time from its start to its
+end (at least 60 s each, as the clouds bill); the time to boot a machine and to restore is
+not seen by spotguard before it starts, so add --boot if you know it.
+
+Interval advice (Young/Daly): with checkpoint cost C (how long writing one blocks the
+command) and mean time between preemptions M, the best interval is about sqrt(2·C·M); the
+expected waste at interval T is C/T + T/(2M) of the run time.";
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Spot price per instance-hour.
+    #[arg(long, value_name = "PRICE")]
+    pub price: Option<f64>,
+    /// On-demand price per instance-hour of the same machine.
+    #[arg(long, value_name = "PRICE")]
+    pub on_demand_price: Option<f64>,
+    /// A prices file: lines `INSTANCE_TYPE SPOT_PER_HOUR ON_DEMAND_PER_HOUR` (`#` comments);
+    /// each attempt is priced by its instance type, `*` matches any.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["price", "on_demand_price"])]
+    pub prices: Option<PathBuf>,
+    /// Currency shown with prices.
+    #[arg(long, value_name = "SYMBOL", default_value = "$")]
+    pub currency: String,
+    /// Mean time between preemptions for the advice [default: observed, when there were any].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub mtbp: Option<Duration>,
+    /// Checkpoint cost for the advice [default: the measured write time of the checkpoints].
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub checkpoint_cost: Option<Duration>,
+    /// Time each machine spent booting before spotguard started, billed but not seen.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "0s")]
+    pub boot: Duration,
+    /// Also write a self-contained HTML page with a timeline chart and the tables.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
+    /// One JSON object, for scripts.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -303,6 +350,39 @@ pub struct RunArgs {
     /// SLURM's --signal=B:USR1@120 [default warning: --grace].
     #[arg(long, value_name = "SIGNAL[@DURATION]", value_parser = parse_notice_signal)]
     pub notice_signal: Option<(Signal, Option<Duration>)>,
+
+    /// Idle watchdog: when the command's processes use under --idle-cpu of one core and every
+    /// GPU (via nvidia-smi, when present) under --idle-gpu for this long, log it, run
+    /// --on-idle and record it in the ledger. Off by default.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub idle_timeout: Option<Duration>,
+
+    /// Shell command run (sh -c) when the idle watchdog fires, e.g. a webhook or a shutdown;
+    /// it gets SPOTGUARD_IDLE_SECONDS.
+    #[arg(long, value_name = "CMD", requires = "idle_timeout")]
+    pub on_idle: Option<String>,
+
+    /// Idle below this CPU use, percent of one core.
+    #[arg(
+        long,
+        value_name = "PERCENT",
+        default_value = "5",
+        requires = "idle_timeout"
+    )]
+    pub idle_cpu: f64,
+
+    /// Idle below this GPU utilisation, percent.
+    #[arg(
+        long,
+        value_name = "PERCENT",
+        default_value = "3",
+        requires = "idle_timeout"
+    )]
+    pub idle_gpu: f64,
+
+    /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9184). Off by default.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 
     /// Rehearse: raise a preemption notice after this delay (with --grace of warning).
     #[arg(long, value_name = "DELAY", value_parser = parse_duration)]

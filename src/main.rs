@@ -13,6 +13,7 @@ mod cli;
 mod exit_code;
 mod logging;
 mod queue_run;
+mod report;
 mod run;
 
 use std::io::IsTerminal;
@@ -73,6 +74,7 @@ async fn run(command: Command) -> u8 {
     match command {
         Command::Run(args) => run::run_command(args).await,
         Command::Status(args) => run::status(args).await,
+        Command::Report(args) => report::report(args).await,
         Command::Queue(cmd) => queue(cmd).await,
         Command::Ls(args) => ls(args).await,
         Command::Resume(args) => resume(args).await,
@@ -430,7 +432,26 @@ pub(crate) fn run_options(args: &RunArgs) -> Result<RunOptions, String> {
     opts.checkpoint_signal = args.checkpoint_signal;
     opts.notice_signal = args.notice_signal;
     opts.simulate = args.simulate_preemption;
+    if let Some(timeout) = args.idle_timeout {
+        if timeout.is_zero() {
+            return Err("--idle-timeout must be more than 0".into());
+        }
+        let mut idle = spotguard_session::IdleOptions::new(timeout);
+        idle.cpu_percent = args.idle_cpu;
+        idle.gpu_percent = args.idle_gpu;
+        idle.on_idle = args.on_idle.clone();
+        opts.idle = Some(idle);
+    }
     Ok(opts)
+}
+
+/// A background task that ends with its owner.
+pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 pub(crate) fn hostname() -> String {

@@ -133,7 +133,7 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
         "SPOTGUARD_PROGRESS_FILE".into(),
         progress_file.clone().into_os_string(),
     ));
-    let mut checkpoints = crate::run::checkpoints(args, ckpt_dir, shard_job);
+    let mut checkpoints = crate::run::checkpoints(args, ckpt_dir, shard_job, &base.stats);
     checkpoints.opts.fresh = fresh;
     opts.checkpoints = Some(checkpoints);
     let lost = Arc::new(Notify::new());

@@ -4,7 +4,9 @@
 use std::time::SystemTime;
 
 use spotguard_checkpoint::CheckpointOptions;
-use spotguard_session::{Checkpoints, Outcome, RunOptions};
+use std::sync::Arc;
+
+use spotguard_session::{Checkpoints, Outcome, RunOptions, Stats};
 use spotguard_store::{
     Attempt, AttemptOutcome, CheckpointRef, HEARTBEAT, Instance, JobStore, Manifest, NoticeRecord,
     UploadOptions,
@@ -31,6 +33,16 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
         Ok(s) => s,
         Err(code) => return code,
     };
+    let _metrics = match args.metrics_addr {
+        Some(addr) => match spotguard_stats::serve(addr, base.stats.clone()).await {
+            Ok(task) => Some(crate::AbortOnDrop(task)),
+            Err(e) => {
+                error!("cannot serve metrics at {addr}: {e}");
+                return exit_code::USAGE;
+            }
+        },
+        None => None,
+    };
     if args.queue {
         return crate::queue_run::run_queue(&args, base, store).await;
     }
@@ -47,8 +59,16 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
     loop {
         let mut opts = base.clone();
         let mut resumed_from = None;
+        let mut restore_seconds = None;
         if !args.no_resume {
-            match restore_newest(&job, &dir).await {
+            let began = std::time::Instant::now();
+            let restored = restore_newest(&job, &dir).await;
+            if let Ok(Some(_)) = &restored {
+                let secs = began.elapsed().as_secs_f64();
+                base.stats.restored(secs);
+                restore_seconds = Some(secs);
+            }
+            match restored {
                 Ok(Some((m, rep))) => {
                     resume_env(&mut opts, &m, rep.path.clone());
                     resumed_from = Some(CheckpointRef {
@@ -64,13 +84,20 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
                 }
             }
         }
-        opts.checkpoints = Some(checkpoints(&args, dir.clone(), job.clone()));
+        opts.checkpoints = Some(checkpoints(&args, dir.clone(), job.clone(), &base.stats));
 
         let mut attempt = Attempt::begin(instance.clone(), resumed_from);
+        attempt.restore_seconds = restore_seconds;
+        let since = Since::now(&base.stats);
         if let Err(e) = job.record_attempt(&mut attempt).await {
             warn!("failed to record the attempt: {e}");
         }
-        let heartbeat = tokio::spawn(heartbeat(job.clone(), attempt.clone()));
+        let heartbeat = tokio::spawn(heartbeat(
+            job.clone(),
+            attempt.clone(),
+            base.stats.clone(),
+            since,
+        ));
         let outputs = match crate::start_outputs(&args, &job) {
             Ok(o) => o,
             Err(code) => return code,
@@ -103,6 +130,7 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
                 exit_code::SETUP_FAILED
             }
         };
+        since.fill(&mut attempt, &base.stats);
         finish_attempt(&job, &mut attempt, result.as_ref().ok(), code).await;
 
         let failed = matches!(&result, Ok(o) if o.preempted.is_none() && !o.end.success() && !o.upload_failed());
@@ -151,7 +179,12 @@ pub(crate) fn resume_env(opts: &mut RunOptions, m: &Manifest, path: std::path::P
 }
 
 /// Where the command's checkpoints go and how, from the run flags.
-pub(crate) fn checkpoints(args: &RunArgs, dir: std::path::PathBuf, store: JobStore) -> Checkpoints {
+pub(crate) fn checkpoints(
+    args: &RunArgs,
+    dir: std::path::PathBuf,
+    store: JobStore,
+    stats: &Arc<Stats>,
+) -> Checkpoints {
     Checkpoints {
         dir,
         store,
@@ -167,15 +200,49 @@ pub(crate) fn checkpoints(args: &RunArgs, dir: std::path::PathBuf, store: JobSto
                 },
                 ..UploadOptions::default()
             },
+            stats: Some(stats.clone()),
             ..CheckpointOptions::default()
         },
     }
 }
 
-/// Refreshes a running attempt's record so `status` can tell running from crashed.
-async fn heartbeat(job: JobStore, mut attempt: Attempt) {
+/// Where this attempt's share of the run's measurements begins (a restart is a new attempt).
+#[derive(Clone, Copy, Debug)]
+struct Since {
+    commits: usize,
+    idle: usize,
+}
+
+impl Since {
+    fn now(stats: &Stats) -> Since {
+        Since {
+            commits: stats.commit_count(),
+            idle: stats.idle_count(),
+        }
+    }
+
+    /// Copies this attempt's measurements into its record.
+    fn fill(self, a: &mut Attempt, stats: &Stats) {
+        a.checkpoints = stats.commits_since(self.commits);
+        a.idle = stats.idle_events_since(self.idle);
+        if let Some(id) = stats.instance() {
+            a.instance = Instance {
+                hostname: std::mem::take(&mut a.instance.hostname),
+                ..id
+            };
+        }
+    }
+}
+
+/// Refreshes a running attempt's record so `status` can tell running from crashed, and
+/// records what changed (a commit, the instance's identity, an idle firing) soon after.
+async fn heartbeat(job: JobStore, mut attempt: Attempt, stats: Arc<Stats>, since: Since) {
     loop {
-        tokio::time::sleep(HEARTBEAT).await;
+        tokio::select! {
+            () = tokio::time::sleep(HEARTBEAT) => {}
+            () = stats.changed.notified() => {}
+        }
+        since.fill(&mut attempt, &stats);
         if let Err(e) = job.record_attempt(&mut attempt).await {
             warn!("failed to refresh the attempt record: {e}");
         }
@@ -192,15 +259,32 @@ async fn finish_attempt(job: &JobStore, a: &mut Attempt, outcome: Option<&Outcom
         Some(o) if o.end.success() && !o.upload_failed() => AttemptOutcome::Completed,
         _ => AttemptOutcome::Failed,
     };
-    let lost_until = match outcome.and_then(|o| o.preempted.as_deref()) {
-        Some(n) => {
+    a.final_upload_seconds = outcome.and_then(|o| {
+        o.flushed_at
+            .duration_since(o.exited_at)
+            .ok()
+            .map(|d| d.as_secs_f64())
+    });
+    if let Ok(started) = humantime::parse_rfc3339(&a.started) {
+        a.wall_seconds = now.duration_since(started).ok().map(|d| d.as_secs_f64());
+    }
+    let lost_until = match outcome.and_then(|o| o.preempted.as_deref().map(|n| (o, n))) {
+        Some((o, n)) => {
+            let secs = |from: SystemTime, to: SystemTime| {
+                to.duration_since(from).ok().map(|d| d.as_secs_f64())
+            };
             a.notice = Some(NoticeRecord {
                 source: n.source.to_string(),
-                received: humantime::format_rfc3339_seconds(n.received).to_string(),
+                received: spotguard_stats::timestamp(n.received),
                 deadline: n
                     .deadline
                     .map(|d| humantime::format_rfc3339_seconds(d).to_string()),
                 warning_seconds: n.warning().map(|w| w.as_secs_f64()),
+                stop_seconds: secs(n.received, o.exited_at),
+                upload_seconds: secs(o.exited_at, o.flushed_at),
+                durable_in_time: Some(
+                    !o.upload_failed() && n.deadline.is_none_or(|d| o.flushed_at <= d),
+                ),
             });
             n.received
         }
@@ -212,22 +296,11 @@ async fn finish_attempt(job: &JobStore, a: &mut Attempt, outcome: Option<&Outcom
             name: m.name.clone(),
             created: m.created.clone(),
         });
-        // Work lost: from the newest checkpoint committed before the notice (or the end).
-        let before = committed
-            .iter()
-            .filter_map(|m| humantime::parse_rfc3339(&m.created).ok())
-            .filter(|t| *t <= lost_until)
-            .max();
-        let from = before.or_else(|| humantime::parse_rfc3339(&a.started).ok());
-        a.time_lost_seconds = from
-            .and_then(|f| lost_until.duration_since(f).ok())
-            .map(|d| d.as_secs_f64());
     }
-    if a.outcome != AttemptOutcome::Completed {
-        a.time_lost_seconds = a.time_lost_seconds.or(Some(0.0));
-    } else {
-        a.time_lost_seconds = None;
-    }
+    a.time_lost_seconds = match a.outcome {
+        AttemptOutcome::Completed => None,
+        _ => Some(a.lost_until(lost_until)),
+    };
     if let Err(e) = job.record_attempt(a).await {
         warn!("failed to record the attempt: {e}");
     }

@@ -44,7 +44,10 @@ class State:
         self.rebalance = None
         self.scheduled = []
         # GCP: value and etag per path; waiters are woken on every change
-        self.gcp = {"instance/preempted": "FALSE", "instance/maintenance-event": "NONE"}
+        self.gcp = {"instance/preempted": "FALSE", "instance/maintenance-event": "NONE",
+                    "instance/machine-type": "projects/123456/machineTypes/a2-highgpu-1g",
+                    "instance/zone": "projects/123456/zones/us-central1-a",
+                    "instance/scheduling/preemptible": "TRUE"}
         self.gcp_etag = {k: uuid.uuid4().hex[:16] for k in self.gcp}
         # Azure
         self.incarnation = 1
@@ -210,6 +213,10 @@ class Handler(BaseHTTPRequestHandler):
         with st.lock:
             if meta == "instance-id":
                 return self.reply(200, "i-0123456789abcdef0")
+            identity = {"instance-type": "g5.xlarge", "placement/availability-zone": "us-east-1a",
+                        "instance-life-cycle": "spot"}
+            if meta in identity:
+                return self.reply(200, identity[meta])
             if meta == "spot/instance-action" and st.instance_action:
                 return self.reply(200, json.dumps(st.instance_action), ctype="application/json")
             if meta == "spot/termination-time" and st.instance_action:
@@ -253,7 +260,9 @@ class Handler(BaseHTTPRequestHandler):
         if "api-version" not in query:
             return self.reply(400, json.dumps({"error": "Bad request. api-version was not specified"}))
         if path == "/metadata/instance":
-            return self.reply(200, json.dumps({"compute": {"name": "vm-spot", "vmId": "0000"}}), ctype="application/json")
+            return self.reply(200, json.dumps({"compute": {
+                "name": "vm-spot", "vmId": "0000", "vmSize": "Standard_NC6s_v3",
+                "location": "eastus", "zone": "1", "priority": "Spot"}}), ctype="application/json")
         if path == "/metadata/instance/compute/name":
             return self.reply(200, "vm-spot")
         if path != "/metadata/scheduledevents":

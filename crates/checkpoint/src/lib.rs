@@ -10,11 +10,15 @@ pub mod writers;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
-use spotguard_store::{JobStore, LocalCheckpoint, Manifest, UploadOptions, UploadReport};
+use spotguard_stats::Stats;
+use spotguard_store::{
+    CommitRecord, JobStore, LocalCheckpoint, Manifest, UploadOptions, UploadReport,
+};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -37,6 +41,8 @@ pub struct CheckpointOptions {
     /// The job's prefix is known to hold nothing yet (a queue shard's first attempt): skip
     /// the start-up look for committed checkpoints and abandoned uploads.
     pub fresh: bool,
+    /// Where each commit and upload failure is counted (the ledger and the metrics).
+    pub stats: Option<Arc<Stats>>,
 }
 
 impl Default for CheckpointOptions {
@@ -48,6 +54,7 @@ impl Default for CheckpointOptions {
             retry_after: Duration::from_secs(15),
             upload: UploadOptions::default(),
             fresh: false,
+            stats: None,
         }
     }
 }
@@ -219,6 +226,9 @@ struct Tracked {
     /// Committed or superseded, and untouched since: not judged again until an event or the
     /// next rescan (an idle training run costs next to nothing).
     settled: bool,
+    /// When the command started writing it, if we saw that (an event, not a scan or a
+    /// rename into the dir): gives how long the write took.
+    first_write: Option<SystemTime>,
 }
 
 type Recency = (SystemTime, u64);
@@ -245,6 +255,8 @@ struct Actor {
 struct Ready {
     name: String,
     recency: Recency,
+    /// How long the command took to write it, when known.
+    write_seconds: Option<f64>,
     scan: LocalCheckpoint,
     rule: Rule,
 }
@@ -253,6 +265,7 @@ type UploadResult = (
     String,
     Fingerprint,
     Recency,
+    Option<f64>,
     Result<UploadReport, spotguard_store::Error>,
 );
 
@@ -328,6 +341,7 @@ impl Actor {
                 last_verdict: String::new(),
                 order: std::mem::replace(next, *next + 1),
                 settled: false,
+                first_write: (!renamed_to).then(SystemTime::now),
             });
             t.last_event = now;
             t.settled = false;
@@ -364,6 +378,7 @@ impl Actor {
                 last_verdict: String::new(),
                 order: std::mem::replace(next, *next + 1),
                 settled: false,
+                first_write: None,
             });
         }
         self.entries.retain(|name, _| present.contains(name));
@@ -458,9 +473,15 @@ impl Actor {
                 Verdict::Complete(_) | Verdict::Incomplete(_) | Verdict::Ignored(_) => continue,
             };
             t.complete.get_or_insert(rule);
+            let write_seconds = t
+                .first_write
+                .filter(|_| !t.renamed_in)
+                .and_then(|f| newest_write.duration_since(f).ok())
+                .map(|d| d.as_secs_f64());
             ready.push(Ready {
                 name,
                 recency,
+                write_seconds,
                 scan,
                 rule,
             });
@@ -481,6 +502,7 @@ impl Actor {
         let keep = self.opts.keep;
         let name = r.name.clone();
         let written = r.recency;
+        let write_seconds = r.write_seconds;
         let task = tokio::spawn(async move {
             let fp = r.scan.fingerprint();
             let res = store.upload(&r.scan, r.rule.name(), &opts).await;
@@ -493,15 +515,33 @@ impl Actor {
                     Err(e) => warn!("retention failed (will try after the next commit): {e}"),
                 }
             }
-            (r.name, fp, written, res)
+            (r.name, fp, written, write_seconds, res)
         });
         self.uploading = Some((name, task));
     }
 
-    fn on_uploaded(&mut self, (name, fp, written, res): UploadResult) -> Option<Committed> {
+    fn on_uploaded(
+        &mut self,
+        (name, fp, written, write_seconds, res): UploadResult,
+    ) -> Option<Committed> {
         match res {
             Ok(rep) => {
                 let m = &rep.manifest;
+                if let Some(stats) = &self.opts.stats {
+                    let now = SystemTime::now();
+                    stats.committed(
+                        CommitRecord {
+                            seq: m.seq,
+                            name: name.clone(),
+                            committed: spotguard_stats::timestamp(now),
+                            bytes: m.total_bytes,
+                            sent_bytes: rep.sent_bytes,
+                            upload_seconds: rep.elapsed.as_secs_f64(),
+                            write_seconds,
+                        },
+                        now,
+                    );
+                }
                 let secs = rep.elapsed.as_secs_f64().max(1e-3);
                 info!(
                     checkpoint = %name,
@@ -526,6 +566,9 @@ impl Actor {
                 })
             }
             Err(e) => {
+                if let Some(stats) = &self.opts.stats {
+                    stats.upload_failed();
+                }
                 error!(checkpoint = %name, "checkpoint upload failed; retrying in {}s: {e}", self.opts.retry_after.as_secs());
                 self.failed.insert(
                     name,

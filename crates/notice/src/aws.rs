@@ -136,6 +136,33 @@ impl NoticeSource for Aws {
         SOURCE
     }
 
+    fn identity(&self) -> BoxFuture<'_, crate::Identity> {
+        Box::pin(async move {
+            let get = |p: &'static str| async move {
+                self.imds
+                    .get(&format!("latest/meta-data/{p}"))
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|v| v.trim().to_owned())
+                    .filter(|v| !v.is_empty())
+            };
+            let (instance_id, instance_type, zone, lifecycle) = tokio::join!(
+                get("instance-id"),
+                get("instance-type"),
+                get("placement/availability-zone"),
+                get("instance-life-cycle"),
+            );
+            crate::Identity {
+                instance_id,
+                instance_type,
+                zone,
+                // IMDS says `spot`, `on-demand` or `scheduled`.
+                lifecycle,
+            }
+        })
+    }
+
     fn probe(&self) -> BoxFuture<'_, bool> {
         Box::pin(async {
             match self.imds.fetch_token().await {

@@ -137,6 +137,35 @@ impl NoticeSource for Azure {
         SOURCE
     }
 
+    fn identity(&self) -> BoxFuture<'_, crate::Identity> {
+        Box::pin(async {
+            let Ok(resp) = self.get(INSTANCE_PATH).await else {
+                return crate::Identity::default();
+            };
+            let doc: serde_json::Value = resp.json().await.unwrap_or_default();
+            let c = &doc["compute"];
+            let text = |k: &str| c[k].as_str().filter(|v| !v.is_empty()).map(str::to_owned);
+            let zone = match (text("location"), text("zone")) {
+                (Some(l), Some(z)) => Some(format!("{l}-{z}")),
+                (l, z) => z.or(l),
+            };
+            crate::Identity {
+                instance_id: text("vmId"),
+                instance_type: text("vmSize"),
+                zone,
+                // `Spot`, `Regular` or `Low`.
+                lifecycle: text("priority").map(|p| {
+                    if p.eq_ignore_ascii_case("regular") {
+                        "on-demand"
+                    } else {
+                        "spot"
+                    }
+                    .to_owned()
+                }),
+            }
+        })
+    }
+
     fn probe(&self) -> BoxFuture<'_, bool> {
         Box::pin(async {
             let Ok(resp) = self.get(INSTANCE_PATH).await else {

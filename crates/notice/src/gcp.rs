@@ -141,6 +141,32 @@ impl NoticeSource for Gcp {
         SOURCE
     }
 
+    fn identity(&self) -> BoxFuture<'_, crate::Identity> {
+        Box::pin(async move {
+            let get = |p: &'static str| async move {
+                match self.get(p, None).await {
+                    Ok((StatusCode::OK, body, _)) => Some(body.trim().to_owned()),
+                    _ => None,
+                }
+            };
+            let (id, machine, zone, preemptible, model) = tokio::join!(
+                get("instance/id"),
+                get("instance/machine-type"),
+                get("instance/zone"),
+                get("instance/scheduling/preemptible"),
+                get("instance/scheduling/provisioning-model"),
+            );
+            let spot = preemptible.as_deref() == Some("TRUE") || model.as_deref() == Some("SPOT");
+            crate::Identity {
+                instance_id: id,
+                instance_type: machine.as_deref().and_then(crate::last_segment),
+                zone: zone.as_deref().and_then(crate::last_segment),
+                lifecycle: (preemptible.is_some() || model.is_some())
+                    .then(|| if spot { "spot" } else { "on-demand" }.to_owned()),
+            }
+        })
+    }
+
     fn probe(&self) -> BoxFuture<'_, bool> {
         Box::pin(async {
             let url = format!("{}/instance/id", self.base);

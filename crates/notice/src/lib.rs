@@ -222,6 +222,30 @@ pub trait NoticeSource: Send + Sync + fmt::Debug {
     fn acknowledge<'a>(&'a self, _notice: &'a Notice) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async { Ok(()) })
     }
+
+    /// What the metadata service says of this machine (for the job ledger). Best effort:
+    /// fields it cannot read stay empty.
+    fn identity(&self) -> BoxFuture<'_, Identity> {
+        Box::pin(async { Identity::default() })
+    }
+}
+
+/// A machine as its metadata service describes it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Identity {
+    pub instance_id: Option<String>,
+    /// `g5.xlarge`, `a2-highgpu-1g`, `Standard_NC6s_v3`.
+    pub instance_type: Option<String>,
+    pub zone: Option<String>,
+    /// `spot` or `on-demand`.
+    pub lifecycle: Option<String>,
+}
+
+/// The last `/`-separated part (GCP answers `projects/N/zones/us-central1-a`).
+pub(crate) fn last_segment(s: &str) -> Option<String> {
+    let s = s.trim();
+    let last = s.rsplit('/').next().unwrap_or(s);
+    (!last.is_empty()).then(|| last.to_owned())
 }
 
 /// The source that watches `cloud`'s metadata service at `endpoints`.

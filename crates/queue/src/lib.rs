@@ -302,11 +302,11 @@ impl Queue {
             };
             let now = now_ms();
             if !state.claimable(now, max_attempts) {
-                let refresh = self
-                    .view
-                    .lock()
-                    .expect("claim view")
-                    .saw(id, &state, now, max_attempts);
+                let refresh =
+                    self.view
+                        .lock()
+                        .expect("claim view")
+                        .saw(id, &state, now, max_attempts);
                 if refresh && !refreshed {
                     refreshed = true;
                     self.refresh().await?;
@@ -682,7 +682,11 @@ mod tests {
             v.seed("w");
             let mut picked = 0;
             while let Some(id) = v.pick() {
-                assert_eq!(v.seen[id as usize], Seen::Unknown, "picked a known shard {id}");
+                assert_eq!(
+                    v.seen[id as usize],
+                    Seen::Unknown,
+                    "picked a known shard {id}"
+                );
                 match id % 3 {
                     0 => v.claimed(id),
                     1 => v.busy(id),
@@ -695,7 +699,10 @@ mod tests {
             let c = v.counts();
             assert_eq!((c.pending, c.leased + c.done), (0, shards));
             // Forgetting leases makes them pickable again; finished ones stay known.
-            assert_eq!(v.forget_busy(), (shards as usize).div_ceil(3) + (shards as usize + 1) / 3);
+            assert_eq!(
+                v.forget_busy(),
+                (shards as usize).div_ceil(3) + (shards as usize + 1) / 3
+            );
         }
     }
 
@@ -707,9 +714,7 @@ mod tests {
         v.claimed(4);
         assert_eq!(v.pick(), Some(5));
         let done = ShardState::default().finished();
-        let refreshes = (10..26)
-            .filter(|&id| v.saw(id, &done, 0, 3))
-            .count();
+        let refreshes = (10..26).filter(|&id| v.saw(id, &done, 0, 3)).count();
         assert_eq!(refreshes, 2);
         assert_eq!(v.counts().done, 16);
     }

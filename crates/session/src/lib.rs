@@ -1,6 +1,7 @@
 //! One run of a job: the supervised command, the notice sources, and the stop sequence that
 //! joins them. See `DESIGN.md` beside this crate for the signal-handling design.
 
+mod idle;
 mod state;
 
 use std::ffi::OsString;
@@ -20,6 +21,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
+pub use idle::IdleOptions;
+pub use spotguard_stats::Stats;
 pub use state::StateDir;
 
 /// Which metadata service to watch.
@@ -69,6 +72,10 @@ pub struct RunOptions {
     pub env: Vec<(String, OsString)>,
     /// Extra notice sources, started with the others (e.g. a task-queue lease watch).
     pub sources: Vec<Arc<dyn NoticeSource>>,
+    /// Where the run's measurements go (the ledger, the metrics endpoint).
+    pub stats: Arc<Stats>,
+    /// The idle watchdog, when on.
+    pub idle: Option<IdleOptions>,
 }
 
 /// Checkpoints of the run: the local dir the command writes into and the job's store.
@@ -100,6 +107,8 @@ impl RunOptions {
             checkpoints: None,
             env: Vec::new(),
             sources: Vec::new(),
+            stats: Arc::default(),
+            idle: None,
         }
     }
 }
@@ -115,6 +124,10 @@ pub struct Outcome {
     pub killed: bool,
     /// What the final upload made durable (`None` without checkpoints).
     pub flush: Option<FlushReport>,
+    /// When the command (and everything it started) had exited.
+    pub exited_at: SystemTime,
+    /// When the final upload was over.
+    pub flushed_at: SystemTime,
 }
 
 impl Outcome {
@@ -195,6 +208,10 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
         info!(dir = %c.dir.display(), store = %c.store.url(), "checkpoints are uploaded as they complete");
     }
 
+    let idle = opts
+        .idle
+        .clone()
+        .map(|o| AbortOnDrop(tokio::spawn(idle::watch(o, opts.stats.clone()))));
     let (tx, mut notices) = mpsc::channel::<Notice>(16);
     let watched: Arc<OnceLock<Arc<dyn NoticeSource>>> = Arc::new(OnceLock::new());
     start_sources(&opts, tx, &watched);
@@ -223,6 +240,7 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
     });
     sup.finish(opts.stop_signal.unwrap_or(Signal::SIGTERM), linger)
         .await;
+    drop(idle);
 
     let exited_at = SystemTime::now();
 
@@ -241,12 +259,15 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
         None => None,
     };
 
+    let flushed_at = SystemTime::now();
     let Some(stop) = stop else {
         return Ok(Outcome {
             end,
             preempted: None,
             killed: false,
             flush,
+            exited_at,
+            flushed_at,
         });
     };
     // The work is as safe as it will get: let the platform proceed (Azure's early ack).
@@ -278,7 +299,37 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
         preempted: Some(Box::new(stop.notice)),
         killed: stop.killed,
         flush,
+        exited_at,
+        flushed_at,
     })
+}
+
+/// A background task that ends with its owner.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Asks the watched metadata service what this machine is, for the ledger.
+fn learn_identity(source: Arc<dyn NoticeSource>, stats: Arc<Stats>) {
+    tokio::spawn(async move {
+        let id = match tokio::time::timeout(Duration::from_secs(10), source.identity()).await {
+            Ok(id) => id,
+            Err(_) => return,
+        };
+        debug!(?id, "instance identity");
+        stats.set_instance(spotguard_store::Instance {
+            hostname: String::new(),
+            cloud: Some(source.source().to_string()),
+            instance_id: id.instance_id,
+            instance_type: id.instance_type,
+            zone: id.zone,
+            lifecycle: id.lifecycle,
+        });
+    });
 }
 
 /// The tokio instant of a wall-clock deadline.
@@ -332,6 +383,7 @@ fn start_sources(
             let source = spotguard_notice::cloud_source(cloud, &opts.endpoints, &opts.watch);
             info!(%cloud, endpoint = %opts.endpoints.get(cloud), "watching the metadata service for preemption notices");
             let _ = watched.set(source.clone());
+            learn_identity(source.clone(), opts.stats.clone());
             tokio::spawn(source.watch(tx));
         }
         CloudChoice::Auto => {
@@ -341,10 +393,12 @@ fn start_sources(
                 opts.detect_timeout,
             );
             let watched = watched.clone();
+            let stats = opts.stats.clone();
             tokio::spawn(async move {
                 match spotguard_notice::detect(&endpoints, &watch, timeout).await {
                     Some(source) => {
                         let _ = watched.set(source.clone());
+                        learn_identity(source.clone(), stats);
                         source.watch(tx).await;
                     }
                     None => info!(
@@ -400,6 +454,12 @@ impl Running<'_> {
 
     /// The stop sequence. `received` is the signal that raised the notice, if one did.
     fn on_notice(&mut self, notice: Notice, received: Option<Signal>) {
+        let kind = if notice.kind == NoticeKind::Hint {
+            "hint"
+        } else {
+            "terminate"
+        };
+        self.opts.stats.notice(&notice.source.to_string(), kind);
         if notice.kind == NoticeKind::Hint {
             info!(source = %notice.source, "checkpoint hint: {}", notice.detail);
             if let Some(sig) = self.opts.checkpoint_signal {

@@ -35,13 +35,71 @@ pub struct CheckpointRef {
     pub created: String,
 }
 
-/// The notice that ended an attempt.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The notice that ended an attempt, and how the stop went.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NoticeRecord {
     pub source: String,
     pub received: String,
     pub deadline: Option<String>,
+    /// Warning the notice gave: from its arrival to its deadline.
     pub warning_seconds: Option<f64>,
+    /// From the notice to the command's exit (its flush).
+    #[serde(default)]
+    pub stop_seconds: Option<f64>,
+    /// From the command's exit to the last checkpoint committed (the final upload).
+    #[serde(default)]
+    pub upload_seconds: Option<f64>,
+    /// Everything complete was committed before the deadline.
+    #[serde(default)]
+    pub durable_in_time: Option<bool>,
+}
+
+/// A checkpoint the attempt committed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CommitRecord {
+    pub seq: u64,
+    pub name: String,
+    /// When it was committed (RFC 3339, milliseconds).
+    pub committed: String,
+    pub bytes: u64,
+    /// Bytes sent (unchanged files are not sent again).
+    pub sent_bytes: u64,
+    /// Upload and commit, in the background.
+    pub upload_seconds: f64,
+    /// How long the command took to write it (first write to last), when seen: about how long
+    /// a synchronous checkpoint blocked the command.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_seconds: Option<f64>,
+}
+
+impl CommitRecord {
+    /// When the checkpoint was taken: its upload started as soon as it was complete.
+    pub fn taken_at(&self) -> Option<SystemTime> {
+        let committed = parse_time(&self.committed)?;
+        committed.checked_sub(Duration::from_secs_f64(self.upload_seconds.max(0.0)))
+    }
+}
+
+/// An RFC 3339 time, with or without fractional seconds.
+pub fn parse_time(s: &str) -> Option<SystemTime> {
+    humantime::parse_rfc3339_weak(s).ok()
+}
+
+/// The idle watchdog fired.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct IdleRecord {
+    /// Idle since (RFC 3339).
+    pub since: String,
+    /// When the watchdog fired.
+    pub fired: String,
+    /// CPU of the command's processes, percent of one core, over the idle time.
+    pub cpu_percent: f64,
+    /// Highest GPU utilisation seen meanwhile, when there are GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_percent: Option<f64>,
+    /// `--on-idle` ran, with this exit status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle_status: Option<i32>,
 }
 
 /// One run of the command.
@@ -60,6 +118,20 @@ pub struct Attempt {
     pub notice: Option<NoticeRecord>,
     /// Time from the last committed checkpoint to the notice (or the failure).
     pub time_lost_seconds: Option<f64>,
+    /// From start to end (or to the last heartbeat, while running or after a crash).
+    #[serde(default)]
+    pub wall_seconds: Option<f64>,
+    /// Restoring the checkpoint it resumed from, before the command started.
+    #[serde(default)]
+    pub restore_seconds: Option<f64>,
+    /// From the command's exit to the end of the final upload.
+    #[serde(default)]
+    pub final_upload_seconds: Option<f64>,
+    /// Checkpoints it committed, oldest first.
+    #[serde(default)]
+    pub checkpoints: Vec<CommitRecord>,
+    #[serde(default)]
+    pub idle: Vec<IdleRecord>,
 }
 
 /// A running attempt's record is refreshed this often...
@@ -90,7 +162,43 @@ impl Attempt {
             last_committed: None,
             notice: None,
             time_lost_seconds: None,
+            wall_seconds: None,
+            restore_seconds: None,
+            final_upload_seconds: None,
+            checkpoints: Vec::new(),
+            idle: Vec::new(),
         }
+    }
+
+    /// Work this attempt did that no checkpoint saved, up to `until` (the notice, the failure,
+    /// the last heartbeat of a crash): from the newest checkpoint it took (written, not
+    /// committed: one committed during the final flush still saved the work before it) to
+    /// `until`, else from when the command started (after the restore).
+    pub fn lost_until(&self, until: SystemTime) -> f64 {
+        let started = humantime::parse_rfc3339(&self.started)
+            .ok()
+            .map(|t| t + Duration::from_secs_f64(self.restore_seconds.unwrap_or(0.0).max(0.0)));
+        let taken = self
+            .checkpoints
+            .iter()
+            .filter_map(|c| c.taken_at())
+            .filter(|t| *t <= until)
+            .max();
+        taken
+            .max(started)
+            .and_then(|from| until.duration_since(from).ok())
+            .map_or(0.0, |d| d.as_secs_f64())
+    }
+
+    /// Where the work stopped: the notice, else the end, else the last heartbeat.
+    pub fn stopped_at(&self) -> Option<SystemTime> {
+        let t = self
+            .notice
+            .as_ref()
+            .map(|n| n.received.as_str())
+            .or(self.ended.as_deref())
+            .unwrap_or(&self.updated);
+        parse_time(t)
     }
 
     /// What `status` shows: a running record whose heartbeat stopped is a crash.
@@ -122,6 +230,14 @@ impl JobStore {
     /// Writes (or rewrites) an attempt's record, refreshing its heartbeat.
     pub async fn record_attempt(&self, a: &mut Attempt) -> Result<(), Error> {
         a.updated = now();
+        if a.ended.is_none()
+            && let Ok(started) = humantime::parse_rfc3339(&a.started)
+        {
+            a.wall_seconds = SystemTime::now()
+                .duration_since(started)
+                .ok()
+                .map(|d| d.as_secs_f64());
+        }
         let body = serde_json::to_vec_pretty(a).expect("records serialize");
         let key = self.attempts_dir().join(format!("{}.json", a.id));
         self.inner()

@@ -28,7 +28,10 @@ use object_store::multipart::MultipartStore;
 use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 
-pub use attempts::{Attempt, AttemptOutcome, CheckpointRef, HEARTBEAT, NoticeRecord, STALE_AFTER};
+pub use attempts::{
+    Attempt, AttemptOutcome, CheckpointRef, CommitRecord, HEARTBEAT, IdleRecord, NoticeRecord,
+    STALE_AFTER, parse_time,
+};
 pub use cas::{CasOutcome, Expect};
 pub use layout::Layout;
 pub use manifest::{EntryKind, FileEntry, Instance, Manifest};

@@ -22,6 +22,14 @@ pub struct Instance {
     pub cloud: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<String>,
+    /// Machine type (`g5.xlarge`, `a2-highgpu-1g`, `Standard_NC6s_v3`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+    /// `spot` or `on-demand`, when the metadata service says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<String>,
 }
 
 /// One file of a checkpoint.

@@ -31,6 +31,15 @@ pub use nix::sys::signal::Signal;
 pub use signals::{FORWARDED, Signals};
 pub use status::ProcessEnd;
 
+/// Every live process below this one (the command's whole tree, daemons included, as we are
+/// its subreaper).
+pub fn descendants_of_self() -> Vec<i32> {
+    descendants::of(nix::unistd::getpid())
+        .into_iter()
+        .map(nix::unistd::Pid::as_raw)
+        .collect()
+}
+
 /// The process id of the supervised command, which also names its process group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChildPid(Pid);
