@@ -5,10 +5,27 @@
 # two workers may then run one shard) or the local-dir store (SERVER=local). Prints the drain
 # time and shards (claims) per second. A benchmark, not a test.
 #
-#   scripts/bench-queue.sh                            # 10,000 shards, 64 workers, moto
-#   SHARDS=2000 WORKERS=64 SERVER=local scripts/bench-queue.sh
+# Each shard's command appends its id to a file, so runs of one shard by two workers (a
+# double claim) are counted.
+#
+# With a server, everything runs in a private network namespace (unshare -n) whose loopback
+# route has `quickack`: s3s-fs writes response headers and body in two segments without
+# TCP_NODELAY, and the client's delayed ACK then holds every GET back ~40 ms (Nagle vs
+# delayed ACK) -- a loopback artefact, not something a real S3 endpoint does.
+#
+#   SERVER=s3s-fs scripts/bench-queue.sh              # 10,000 shards, 64 workers
+#   SHARDS=2000 WORKERS=64 SERVER=moto scripts/bench-queue.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${SERVER:-moto}" != local ] && [ -z "${IN_NETNS:-}" ] && unshare -n true 2>/dev/null; then
+    cargo build --release --locked --quiet
+    exec env IN_NETNS=1 unshare -n "$0" "$@"
+fi
+if [ -n "${IN_NETNS:-}" ]; then
+    ip link set lo up
+    ip route replace local 127.0.0.1 dev lo table local proto kernel scope host src 127.0.0.1 quickack 1
+fi
 
 SHARDS=${SHARDS:-10000}
 WORKERS=${WORKERS:-64}
@@ -39,11 +56,14 @@ SPOTGUARD_STATE_DIR=$WORK/setup "$SG" -q queue create --store "$STORE" --range "
 start=$(date +%s.%N)
 pids=()
 for w in $(seq "$WORKERS"); do
-    SPOTGUARD_STATE_DIR=$WORK/w$w "$SG" -q run --queue --no-resume --store "$STORE" -- true &
+    SPOTGUARD_STATE_DIR=$WORK/w$w "$SG" -q run --queue --no-resume --store "$STORE" -- \
+        sh -c 'echo "$SPOTGUARD_SHARD_ID" >> "$0"' "$WORK/ran" &
     pids+=($!)
 done
 wait "${pids[@]}"     # the workers, not the server
 end=$(date +%s.%N)
 SPOTGUARD_STATE_DIR=$WORK/setup "$SG" queue status --store "$STORE" | head -1
+runs=$(wc -l < "$WORK/ran"); unique=$(sort -u "$WORK/ran" | wc -l)
+echo "shard runs: $runs, distinct shards run: $unique, double claims: $((runs - unique))"
 awk -v a="$start" -v b="$end" -v n="$SHARDS" -v w="$WORKERS" -v s="$SERVER" \
     'BEGIN { printf "%d shards, %d workers, %s: drained in %.1f s, %.1f shards (claims) per second\n", n, w, s, b - a, n / (b - a) }'

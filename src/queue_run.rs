@@ -35,6 +35,13 @@ pub(crate) async fn run_queue(args: &RunArgs, base: RunOptions, store: Store) ->
                 return exit_code::SETUP_FAILED;
             }
         };
+        let seen = queue.seen();
+        base.stats.set_queue(spotguard_stats::QueueCounts {
+            pending: seen.pending,
+            leased: seen.leased,
+            done: seen.done,
+            failed: seen.failed,
+        });
         let Some(lease) = lease else {
             // The claim just looked at every shard not known finished: what it saw is current.
             let counts = queue.seen();
@@ -178,7 +185,11 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
             })
         }
         Ok(o) if o.end.success() && !o.upload_failed() && !outputs_failed => {
-            settle("done", lease.done(&done).await);
+            let result = lease.done(&done).await;
+            if result.is_ok() {
+                base.stats.shard_done();
+            }
+            settle("done", result);
             ShardEnd::Next
         }
         Ok(o) => {

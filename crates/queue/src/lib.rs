@@ -97,7 +97,7 @@ impl Queue {
         self.dir().join("state").join(format!("{id:08}.json"))
     }
 
-    /// `done/<id>` / `failed/<id>`: written once a shard reaches that final phase, so one LIST
+    /// `done/` / `failed/` hold a marker per shard that reached that final phase, so a LIST
     /// tells a claimer which shards it need not look at (a finished shard never changes again).
     /// Only hints: the state object is the truth, and a missing marker costs one GET.
     fn marker_dir(&self, phase: Phase) -> Path {
@@ -109,10 +109,24 @@ impl Queue {
         self.dir().join(name)
     }
 
+    /// `<marker dir>/<id / 1000>/<id>`: a claimer that keeps finding shards taken in one
+    /// stretch LISTs only that thousand (one request, and a small dir for stores that map keys
+    /// to files).
+    fn marker_key(&self, phase: Phase, id: u32) -> Path {
+        self.marker_dir(phase)
+            .join(format!("{:05}", id / MARKER_BUCKET))
+            .join(format!("{id:08}"))
+    }
+
+    /// Shards with a `phase` marker.
     async fn marked(&self, phase: Phase) -> Result<HashSet<u32>, Error> {
+        self.marked_under(self.marker_dir(phase)).await
+    }
+
+    async fn marked_under(&self, prefix: Path) -> Result<HashSet<u32>, Error> {
         Ok(self
             .store
-            .list_keys(&self.marker_dir(phase))
+            .list_keys(&prefix)
             .await?
             .iter()
             .filter_map(|k| k.filename().and_then(|f| f.parse().ok()))
@@ -268,9 +282,9 @@ impl Queue {
     /// else, so a claim usually costs one GET and one conditional PUT however long the queue:
     /// it tries the shard after the one it last claimed, else a random spot in the largest
     /// stretch of shards not known to be taken (workers spread out instead of fighting over
-    /// the same ones). After a few misses in a row it forgets its sightings of leases (they
-    /// may have expired or been released) and, when much is unknown, re-reads the finished
-    /// markers with a LIST.
+    /// the same ones). After a few misses in a row, when much is unknown, it LISTs the finished
+    /// markers of that stretch; when nothing is left to try it forgets its sightings of
+    /// leases (they may have expired or been released) and looks once more.
     pub async fn claim(
         &self,
         worker: &str,
@@ -293,7 +307,7 @@ impl Queue {
                     return Ok(None);
                 }
                 refreshed = true;
-                self.refresh().await?;
+                self.refresh(None).await?;
                 continue;
             };
             let (state, expect) = match self.state(id).await? {
@@ -307,9 +321,8 @@ impl Queue {
                         .lock()
                         .expect("claim view")
                         .saw(id, &state, now, max_attempts);
-                if refresh && !refreshed {
-                    refreshed = true;
-                    self.refresh().await?;
+                if refresh {
+                    self.refresh(Some(id)).await?;
                 }
                 continue;
             }
@@ -322,14 +335,30 @@ impl Queue {
         }
     }
 
-    /// Forgets sightings of leases; learns from the markers what finished when much is
-    /// unknown (a LIST page names 1,000 finished shards; a GET learns one), and whether the
-    /// queue grew.
-    async fn refresh(&self) -> Result<(), Error> {
-        let unknown = self.view.lock().expect("claim view").forget_busy();
+    /// Learns from the markers what finished when much is unknown (a LIST page names 1,000
+    /// finished shards; a GET learns one): those of the thousand around `near` (where misses
+    /// came in a row). Without `near` (nothing left to try) it first forgets sightings of
+    /// leases (they may have expired or been released), lists every marker, and looks
+    /// whether the queue grew.
+    async fn refresh(&self, near: Option<u32>) -> Result<(), Error> {
+        let unknown = {
+            let mut view = self.view.lock().expect("claim view");
+            match near {
+                Some(_) => view.unknown(),
+                None => view.forget_busy(),
+            }
+        };
         if unknown > LIST_WHEN_UNKNOWN {
-            let (done, failed) =
-                tokio::try_join!(self.marked(Phase::Done), self.marked(Phase::Failed))?;
+            let under = |phase| match near {
+                Some(id) => self
+                    .marker_dir(phase)
+                    .join(format!("{:05}", id / MARKER_BUCKET)),
+                None => self.marker_dir(phase),
+            };
+            let (done, failed) = tokio::try_join!(
+                self.marked_under(under(Phase::Done)),
+                self.marked_under(under(Phase::Failed))
+            )?;
             let mut view = self.view.lock().expect("claim view");
             for id in done {
                 view.finished(id, Seen::Done);
@@ -337,6 +366,9 @@ impl Queue {
             for id in failed {
                 view.finished(id, Seen::Failed);
             }
+        }
+        if near.is_some() {
+            return Ok(());
         }
         if let Some((meta, _)) = self.meta().await? {
             self.known_shards
@@ -401,6 +433,8 @@ impl Queue {
     }
 }
 
+/// Finished markers are grouped by this many shards.
+const MARKER_BUCKET: u32 = 1000;
 /// A refresh LISTs the finished markers when more shards than this are of unknown state.
 const LIST_WHEN_UNKNOWN: usize = 64;
 /// Misses (shards found taken) in a row before a claim refreshes what it knows.
@@ -502,6 +536,10 @@ impl ClaimView {
             unknown += usize::from(*s == Seen::Unknown);
         }
         unknown
+    }
+
+    fn unknown(&self) -> usize {
+        self.seen.iter().filter(|s| **s == Seen::Unknown).count()
     }
 
     fn counts(&self) -> Counts {
@@ -609,6 +647,7 @@ impl Lease {
     pub async fn done(mut self, done: &[String]) -> Result<(), Error> {
         let next = self.state.with_progress(done).finished();
         self.swap(next).await?;
+        self.seen(Seen::Done);
         self.mark().await;
         Ok(())
     }
@@ -616,7 +655,18 @@ impl Lease {
     /// Gives the shard back at once (a preemption): pending again, progress kept.
     pub async fn release(mut self, done: &[String]) -> Result<(), Error> {
         let next = self.state.with_progress(done).released();
-        self.swap(next).await
+        self.swap(next).await?;
+        self.seen(Seen::Unknown);
+        Ok(())
+    }
+
+    /// Tells the claim view how this shard ended up, so it never looks at it again in vain.
+    fn seen(&self, seen: Seen) {
+        self.queue
+            .view
+            .lock()
+            .expect("claim view")
+            .set(self.id, seen);
     }
 
     /// The command failed with `status`: pending again for another attempt, or failed for
@@ -630,17 +680,17 @@ impl Lease {
         let next = self.state.with_progress(done).failed(status, max_attempts);
         self.swap(next).await?;
         if self.state.phase == Phase::Failed {
+            self.seen(Seen::Failed);
             self.mark().await;
+        } else {
+            self.seen(Seen::Unknown);
         }
         Ok(())
     }
 
     /// The finished marker, a hint for claimers and counts: a failure here costs them a GET.
     async fn mark(&self) {
-        let key = self
-            .queue
-            .marker_dir(self.state.phase)
-            .join(format!("{:08}", self.id));
+        let key = self.queue.marker_key(self.state.phase, self.id);
         let _ = self
             .queue
             .store
