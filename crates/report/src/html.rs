@@ -157,6 +157,14 @@ impl Report {
                 "uploading",
                 format!("final upload {}", duration(r.wall - stop_end)),
             );
+            // Lost work: from the newest checkpoint taken to where the work stopped.
+            let lost_end = notice_at.unwrap_or(stop_end);
+            seg(
+                (lost_end - r.lost).max(r.restore),
+                lost_end,
+                "lost",
+                format!("lost work {}", duration(r.lost)),
+            );
             for c in &r.checkpoints {
                 let _ = write!(
                     o,
@@ -213,6 +221,7 @@ impl Report {
             ("running", "running"),
             ("stopping", "stopping after a notice"),
             ("uploading", "final upload"),
+            ("lost", "lost work"),
         ] {
             let _ = write!(
                 o,
@@ -264,5 +273,5 @@ td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}\
 .completed{color:#2e7d32}.grid{stroke:#eee}.axis{font-size:11px;fill:#666;text-anchor:middle}\
 .label{font-size:12px;fill:#333}.legend{font-size:11px;fill:#444}\
 rect.running{fill:#4caf50}rect.restoring{fill:#42a5f5}rect.stopping{fill:#ffa726}\
-rect.uploading{fill:#ab47bc}.ckpt{stroke:#111;stroke-width:2}.notice{fill:#e53935}\
+rect.uploading{fill:#ab47bc}rect.lost{fill:#ef9a9a}.ckpt{stroke:#111;stroke-width:2}.notice{fill:#e53935}\
 .idle{fill:#fdd835;stroke:#555}";

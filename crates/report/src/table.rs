@@ -175,7 +175,7 @@ impl Report {
             let _ = writeln!(
                 o,
                 "  {:<20}  {:<10}  {:<18}  {:>8}  {:>8}  {:>8}  {:>5}  {}",
-                r.started,
+                short_time(&r.started),
                 outcome,
                 machine,
                 duration(r.wall),
@@ -186,5 +186,13 @@ impl Report {
             );
         }
         o
+    }
+}
+
+/// `2026-01-01T00:00:00Z` whatever the fraction of a second recorded.
+fn short_time(t: &str) -> String {
+    match (t.get(..19), t.len() > 20) {
+        (Some(head), true) => format!("{head}Z"),
+        _ => t.to_owned(),
     }
 }
