@@ -252,7 +252,7 @@ async fn heartbeat(job: JobStore, mut attempt: Attempt, stats: Arc<Stats>, since
 /// Records how the attempt ended; marks the job completed when the command succeeded.
 async fn finish_attempt(job: &JobStore, a: &mut Attempt, outcome: Option<&Outcome>, code: u8) {
     let now = SystemTime::now();
-    a.ended = Some(humantime::format_rfc3339_seconds(now).to_string());
+    a.ended = Some(humantime::format_rfc3339_millis(now).to_string());
     a.exit_status = Some(code);
     a.outcome = match outcome {
         Some(o) if o.preempted.is_some() => AttemptOutcome::Preempted,
@@ -363,7 +363,9 @@ pub(crate) async fn status(args: LsArgs) -> u8 {
             let outcome = serde_json::to_value(a.effective_outcome()).expect("serializes");
             outln!(
                 "{:<20}  {:<10}  {:<20}  {:>4}  {:<22}  {:>9}",
-                a.started,
+                a.started
+                    .get(..19)
+                    .map_or(a.started.clone(), |s| format!("{s}Z")),
                 outcome.as_str().unwrap_or_default(),
                 a.instance.hostname,
                 a.exit_status.map(|c| c.to_string()).unwrap_or_default(),

@@ -223,16 +223,27 @@ fn prices_by_instance_type_and_bad_input() {
     assert!(f.stderr.contains("no attempts"), "{}", f.stderr);
 }
 
-/// A checkpoint, then an AWS spot notice: the ledger has the machine, the commit, the notice
-/// and its timings, and the report prices it.
+/// A checkpoint, then a spot notice from each cloud's (fake) metadata service: the ledger
+/// has the machine as that service describes it, the commit, the notice and its timings, and
+/// the report prices it.
 #[test]
 fn a_preempted_run_lands_in_the_ledger_and_the_report() {
+    for (cloud, ty, zone) in [
+        ("aws", "g5.xlarge", "us-east-1a"),
+        ("gcp", "a2-highgpu-1g", "us-central1-a"),
+        ("azure", "Standard_NC6s_v3", "eastus-1"),
+    ] {
+        preempted_run_in_the_ledger(cloud, ty, zone);
+    }
+}
+
+fn preempted_run_in_the_ledger(cloud: &str, ty: &str, zone: &str) {
     let state = tempfile::tempdir().expect("tempdir");
     let store = state.path().join("store");
     let s = store.to_str().expect("utf-8");
-    let fake = FakeCloud::start("aws", &[]);
+    let fake = FakeCloud::start(cloud, &[]);
     let mut cmd = spotguard(state.path());
-    cmd.args(["run", "--store", s, "--job", "led", "--cloud", "aws", "--metadata-endpoint", &fake.url(), "--poll-interval", "100ms", "--", "sh", "-c"])
+    cmd.args(["run", "--store", s, "--job", "led", "--cloud", cloud, "--metadata-endpoint", &fake.url(), "--poll-interval", "100ms", "--", "sh", "-c"])
         .arg(r#"trap 'echo stopping; exit 0' TERM
 printf 'weights' > "$SPOTGUARD_CHECKPOINT_DIR/step-1.tmp" && mv "$SPOTGUARD_CHECKPOINT_DIR/step-1.tmp" "$SPOTGUARD_CHECKPOINT_DIR/step-1.pt"
 echo saved
@@ -242,7 +253,7 @@ while :; do sleep 30 & wait $!; done"#);
     p.expect_stderr("checkpoint committed");
     fake.control("preempt", json!({}));
     let f = p.finish();
-    assert_eq!(f.code(), 75, "{}", f.stderr);
+    assert_eq!(f.code(), 75, "{cloud}: {}", f.stderr);
 
     let f = run_to_end(
         state.path(),
@@ -262,13 +273,17 @@ while :; do sleep 30 & wait $!; done"#);
     assert_eq!(f.code(), 0, "{}", f.stderr);
     let r: Value = serde_json::from_str(&f.stdout).expect("JSON");
     let a = &r["attempts"][0];
-    assert_eq!(a["instance_type"], "g5.xlarge", "{a}");
-    assert_eq!(a["lifecycle"], "spot", "{a}");
-    assert_eq!(a["zone"], "us-east-1a", "{a}");
-    assert_eq!(a["outcome"], "preempted", "{a}");
-    assert_eq!(a["checkpoints"].as_array().map(Vec::len), Some(1), "{a}");
+    assert_eq!(a["instance_type"], ty, "{cloud}: {a}");
+    assert_eq!(a["lifecycle"], "spot", "{cloud}: {a}");
+    assert_eq!(a["zone"], zone, "{cloud}: {a}");
+    assert_eq!(a["outcome"], "preempted", "{cloud}: {a}");
+    assert_eq!(
+        a["checkpoints"].as_array().map(Vec::len),
+        Some(1),
+        "{cloud}: {a}"
+    );
     let n = &a["notice"];
-    assert_eq!(n["source"], "aws", "{n}");
+    assert_eq!(n["source"], cloud, "{n}");
     assert_eq!(n["durable_in_time"], true, "{n}");
     let wall = a["wall"].as_f64().expect("wall");
     let lost = a["lost"].as_f64().expect("lost");
@@ -277,9 +292,9 @@ while :; do sleep 30 & wait $!; done"#);
     // Lost work is exactly from the checkpoint to the notice.
     assert!(
         (lost - (notice_at - taken)).abs() < 0.01,
-        "lost {lost}, notice {notice_at}, taken {taken}"
+        "{cloud}: lost {lost}, notice {notice_at}, taken {taken}"
     );
-    assert!(lost >= 0.0 && lost <= wall, "{a}");
+    assert!(lost >= 0.0 && lost <= wall, "{cloud}: {a}");
     assert!(r["cost"]["total"].as_f64().expect("cost") > 0.0, "{r}");
     assert_eq!(r["totals"]["preemptions"], 1);
 }

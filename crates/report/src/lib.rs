@@ -202,7 +202,11 @@ pub fn build(attempts: &[Attempt], opts: &Options, now: SystemTime) -> Report {
             None if outcome == AttemptOutcome::Running => now,
             None => parse_time(&a.updated).unwrap_or(started),
         };
-        let wall = secs_between(started, end);
+        // The recorded wall time is exact; times in older records have whole seconds.
+        let wall = match (&a.ended, a.wall_seconds) {
+            (Some(_), Some(w)) => w,
+            _ => secs_between(started, end),
+        };
         let restore = a.restore_seconds.unwrap_or(0.0);
         let lost = match (outcome, a.time_lost_seconds) {
             (AttemptOutcome::Completed | AttemptOutcome::Running, _) => 0.0,
@@ -400,5 +404,40 @@ pub fn size(b: u64) -> String {
         format!("{b} B")
     } else {
         format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_crash_loses_the_work_since_its_newest_checkpoint_up_to_its_last_heartbeat() {
+        // Heartbeat stopped at 400 s (an hour ago); the only checkpoint was taken at 100 s.
+        let a: Attempt = serde_json::from_value(serde_json::json!({
+            "format": 1, "id": "1", "instance": {"hostname": "h"},
+            "started": "2026-01-01T00:00:00Z", "updated": "2026-01-01T00:06:40Z",
+            "ended": null, "outcome": "running", "exit_status": null, "resumed_from": null,
+            "last_committed": null, "notice": null, "time_lost_seconds": null,
+            "checkpoints": [{"seq": 1, "name": "c", "committed": "2026-01-01T00:01:50Z",
+                             "bytes": 1, "sent_bytes": 1, "upload_seconds": 10.0}],
+        }))
+        .expect("record");
+        let now = humantime::parse_rfc3339("2026-01-01T01:00:00Z").expect("now");
+        let r = build(&[a], &Options::default(), now);
+        assert_eq!(r.totals.crashes, 1);
+        assert!((r.attempts[0].wall - 400.0).abs() < 1e-9);
+        assert!((r.totals.lost - 300.0).abs() < 1e-9, "{}", r.totals.lost);
+        assert!(r.cost.is_none() && r.advice.is_none());
+        assert!(r.advice_missing.is_some());
+    }
+
+    #[test]
+    fn young_daly_minimises_the_waste() {
+        let (c, m) = (30.0, 5050.0);
+        let best = (2.0_f64 * c * m).sqrt();
+        for t in [best * 0.5, best * 0.9, best * 1.1, best * 2.0] {
+            assert!(waste(t, c, m) > waste(best, c, m));
+        }
     }
 }

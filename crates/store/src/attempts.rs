@@ -140,7 +140,7 @@ pub const HEARTBEAT: Duration = Duration::from_secs(60);
 pub const STALE_AFTER: Duration = Duration::from_secs(300);
 
 pub(crate) fn now() -> String {
-    humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+    humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }
 
 impl Attempt {
