@@ -445,15 +445,6 @@ pub(crate) fn run_options(args: &RunArgs) -> Result<RunOptions, String> {
     Ok(opts)
 }
 
-/// A background task that ends with its owner.
-pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 pub(crate) fn hostname() -> String {
     nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())

@@ -35,7 +35,7 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
     };
     let _metrics = match args.metrics_addr {
         Some(addr) => match spotguard_stats::serve(addr, base.stats.clone()).await {
-            Ok(task) => Some(crate::AbortOnDrop(task)),
+            Ok(task) => Some(spotguard_session::AbortOnDrop(task)),
             Err(e) => {
                 error!("cannot serve metrics at {addr}: {e}");
                 return exit_code::USAGE;

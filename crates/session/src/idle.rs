@@ -53,12 +53,18 @@ pub(crate) async fn watch(opts: IdleOptions, stats: Arc<Stats>) {
     });
     let tick = ticks_per_second();
     let mut gpus = Gpus::default();
-    let mut last = (tokio::time::Instant::now(), tree_cpu_ticks());
+    let mut last = (
+        tokio::time::Instant::now(),
+        spotguard_supervise::tree_cpu_ticks(),
+    );
     let mut idle: Option<Stretch> = None;
     let mut fired = false;
     loop {
         tokio::time::sleep(sample).await;
-        let now = (tokio::time::Instant::now(), tree_cpu_ticks());
+        let now = (
+            tokio::time::Instant::now(),
+            spotguard_supervise::tree_cpu_ticks(),
+        );
         let cpu = cpu_percent(last, now, tick);
         let gpu = gpus.utilisation().await;
         last = now;
@@ -145,22 +151,6 @@ fn ticks_per_second() -> f64 {
         Ok(Some(t)) if t > 0 => t as f64,
         _ => 100.0,
     }
-}
-
-/// CPU ticks (user + system, own and reaped children's) of every process below us.
-fn tree_cpu_ticks() -> u64 {
-    spotguard_supervise::descendants_of_self()
-        .into_iter()
-        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
-        .filter_map(|stat| {
-            // Fields after the command name (in parentheses, possibly with spaces): state is
-            // the first; utime, stime, cutime, cstime are the 12th to 15th.
-            let rest = &stat[stat.rfind(')')? + 1..];
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            Some(n(11) + n(12) + n(13) + n(14))
-        })
-        .sum()
 }
 
 /// GPU utilisation via `nvidia-smi`, when there is one.

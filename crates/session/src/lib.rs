@@ -305,7 +305,8 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
 }
 
 /// A background task that ends with its owner.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+#[derive(Debug)]
+pub struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

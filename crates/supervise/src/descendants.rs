@@ -45,14 +45,35 @@ pub(crate) fn of(root: Pid) -> Vec<Pid> {
     out
 }
 
-/// Parent pid and state from `/proc/PID/stat` (proc(5)). The command name is in parentheses
-/// and may itself contain spaces and parentheses, so fields are counted after the last `)`.
+/// The fields of `/proc/PID/stat` after the command name (proc(5)), state first. The name is
+/// in parentheses and may itself contain spaces and parentheses, so fields are counted after
+/// the last `)`.
+fn stat_fields(stat: &str) -> Option<std::str::SplitWhitespace<'_>> {
+    Some(stat[stat.rfind(')')? + 1..].split_whitespace())
+}
+
+/// Parent pid and state.
 fn parse_stat(stat: &str) -> Option<(i32, char)> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
+    let mut fields = stat_fields(stat)?;
     let state = fields.next()?.chars().next()?;
     let ppid = fields.next()?.parse().ok()?;
     Some((ppid, state))
+}
+
+/// CPU clock ticks used by `pid`: user and system, its own and its waited-for children's
+/// (utime, stime, cutime, cstime: the 12th to 15th fields after the name).
+pub(crate) fn cpu_ticks(pid: Pid) -> u64 {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    stat_fields(&stat)
+        .map(|f| {
+            f.skip(11)
+                .take(4)
+                .filter_map(|v| v.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

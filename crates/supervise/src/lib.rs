@@ -31,13 +31,13 @@ pub use nix::sys::signal::Signal;
 pub use signals::{FORWARDED, Signals};
 pub use status::ProcessEnd;
 
-/// Every live process below this one (the command's whole tree, daemons included, as we are
-/// its subreaper).
-pub fn descendants_of_self() -> Vec<i32> {
+/// CPU clock ticks used so far by every live process below this one (the command's whole
+/// tree, daemons included, as we are its subreaper), with their reaped children's.
+pub fn tree_cpu_ticks() -> u64 {
     descendants::of(nix::unistd::getpid())
         .into_iter()
-        .map(nix::unistd::Pid::as_raw)
-        .collect()
+        .map(descendants::cpu_ticks)
+        .sum()
 }
 
 /// The process id of the supervised command, which also names its process group.
