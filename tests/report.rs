@@ -228,16 +228,23 @@ fn prices_by_instance_type_and_bad_input() {
 /// the report prices it.
 #[test]
 fn a_preempted_run_lands_in_the_ledger_and_the_report() {
-    for (cloud, ty, zone) in [
-        ("aws", "g5.xlarge", "us-east-1a"),
-        ("gcp", "a2-highgpu-1g", "us-central1-a"),
-        ("azure", "Standard_NC6s_v3", "eastus-1"),
+    for (cloud, ty, zone, lifecycle) in [
+        ("aws", Some("g5.xlarge"), "us-east-1a", Some("spot")),
+        ("gcp", Some("a2-highgpu-1g"), "us-central1-a", Some("spot")),
+        ("azure", Some("Standard_NC6s_v3"), "eastus-1", Some("spot")),
+        (
+            "aliyun",
+            Some("ecs.gn7i-c8g1.2xlarge"),
+            "cn-hangzhou-i",
+            None,
+        ),
+        ("tencent", None, "ap-guangzhou-3", Some("spot")),
     ] {
-        preempted_run_in_the_ledger(cloud, ty, zone);
+        preempted_run_in_the_ledger(cloud, ty, zone, lifecycle);
     }
 }
 
-fn preempted_run_in_the_ledger(cloud: &str, ty: &str, zone: &str) {
+fn preempted_run_in_the_ledger(cloud: &str, ty: Option<&str>, zone: &str, lifecycle: Option<&str>) {
     let state = tempfile::tempdir().expect("tempdir");
     let store = state.path().join("store");
     let s = store.to_str().expect("utf-8");
@@ -273,8 +280,8 @@ while :; do sleep 30 & wait $!; done"#);
     assert_eq!(f.code(), 0, "{}", f.stderr);
     let r: Value = serde_json::from_str(&f.stdout).expect("JSON");
     let a = &r["attempts"][0];
-    assert_eq!(a["instance_type"], ty, "{cloud}: {a}");
-    assert_eq!(a["lifecycle"], "spot", "{cloud}: {a}");
+    assert_eq!(a["instance_type"], json!(ty), "{cloud}: {a}");
+    assert_eq!(a["lifecycle"], json!(lifecycle), "{cloud}: {a}");
     assert_eq!(a["zone"], zone, "{cloud}: {a}");
     assert_eq!(a["outcome"], "preempted", "{cloud}: {a}");
     assert_eq!(

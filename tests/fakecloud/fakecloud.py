@@ -294,6 +294,14 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(403, "")
         if path == "/latest/meta-data/instance-id":
             return self.reply(200, "i-fake")
+        identity = {
+            "aliyun": {"/latest/meta-data/instance/instance-type": "ecs.gn7i-c8g1.2xlarge",
+                       "/latest/meta-data/zone-id": "cn-hangzhou-i"},
+            "tencent": {"/latest/meta-data/placement/zone": "ap-guangzhou-3",
+                        "/latest/meta-data/payment/charge-type": "SPOTPAID"},
+        }.get(st.cloud, {})
+        if path in identity:
+            return self.reply(200, identity[path])
         with st.lock:
             t = st.termination_time
         if t is None:
@@ -305,12 +313,14 @@ class Handler(BaseHTTPRequestHandler):
             if not self.st.hardened:
                 return self.reply(404, "")
             return self.issue_token("X-aliyun-ecs-metadata-token-ttl-seconds")
-        if path in ("/latest/meta-data/instance-id", "/latest/meta-data/instance/spot/termination-time"):
+        if path in ("/latest/meta-data/instance-id", "/latest/meta-data/instance/spot/termination-time",
+                    "/latest/meta-data/instance/instance-type", "/latest/meta-data/zone-id"):
             return self.termination(path, "X-aliyun-ecs-metadata-token")
         self.reply(404, "")
 
     def cloud_tencent(self, path, _query):
-        if path in ("/latest/meta-data/instance-id", "/latest/meta-data/spot/termination-time"):
+        if path in ("/latest/meta-data/instance-id", "/latest/meta-data/spot/termination-time",
+                    "/latest/meta-data/placement/zone", "/latest/meta-data/payment/charge-type"):
             return self.termination(path)
         self.reply(404, "")
 

@@ -94,6 +94,51 @@ impl NoticeSource for TerminationTime {
         })
     }
 
+    fn identity(&self) -> BoxFuture<'_, crate::Identity> {
+        Box::pin(async move {
+            let get = |p: &'static str| async move {
+                self.imds
+                    .get(&format!("latest/meta-data/{p}"))
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|v| v.trim().to_owned())
+                    .filter(|v| !v.is_empty())
+            };
+            match self.cloud {
+                Cloud::Aliyun => {
+                    let (instance_id, instance_type, zone) = tokio::join!(
+                        get("instance-id"),
+                        get("instance/instance-type"),
+                        get("zone-id"),
+                    );
+                    crate::Identity {
+                        instance_id,
+                        instance_type,
+                        zone,
+                        lifecycle: None,
+                    }
+                }
+                Cloud::Tencent => {
+                    let (instance_id, zone, charge) = tokio::join!(
+                        get("instance-id"),
+                        get("placement/zone"),
+                        get("payment/charge-type"),
+                    );
+                    crate::Identity {
+                        instance_id,
+                        instance_type: None,
+                        zone,
+                        // SPOTPAID, POSTPAID_BY_HOUR, PREPAID.
+                        lifecycle: charge
+                            .map(|c| if c == "SPOTPAID" { "spot" } else { "on-demand" }.to_owned()),
+                    }
+                }
+                _ => crate::Identity::default(),
+            }
+        })
+    }
+
     fn watch(self: Arc<Self>, tx: mpsc::Sender<Notice>) -> BoxFuture<'static, ()> {
         let interval = self.interval;
         let source = self.source();
