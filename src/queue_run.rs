@@ -9,19 +9,55 @@ use std::time::{Duration, SystemTime};
 
 use spotguard_notice::{BoxFuture, Notice, NoticeSource, Source};
 use spotguard_queue::{Error as QueueError, Lease, Queue};
-use spotguard_session::RunOptions;
+use spotguard_session::{Outcome, RunOptions};
 use spotguard_store::Store;
+use spotguard_store::{Attempt, Instance};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::{error, info, warn};
 
 use crate::cli::RunArgs;
+use crate::run::Since;
 use crate::{exit_code, hostname, restore_newest};
 
 /// Pause before looking again when other workers hold the remaining shards.
 const WAIT_FOR_OTHERS: Duration = Duration::from_secs(2);
 
+/// The worker is one attempt in the job's ledger: its machine time, notices and lost work
+/// show in `spotguard report` like a `run`'s.
 pub(crate) async fn run_queue(args: &RunArgs, base: RunOptions, store: Store) -> u8 {
+    let job = store.job(&base.job);
+    let mut attempt = Attempt::begin(
+        Instance {
+            hostname: hostname(),
+            ..Instance::default()
+        },
+        None,
+    );
+    let since = Since::now(&base.stats);
+    if let Err(e) = job.record_attempt(&mut attempt).await {
+        warn!("failed to record the attempt: {e}");
+    }
+    let heartbeat = spotguard_session::AbortOnDrop(tokio::spawn(crate::run::heartbeat(
+        job.clone(),
+        attempt.clone(),
+        base.stats.clone(),
+        since,
+    )));
+    let (code, outcome) = work_through(args, &base, &store).await;
+    drop(heartbeat);
+    since.fill(&mut attempt, &base.stats);
+    crate::run::finish_attempt(&job, &mut attempt, outcome.as_deref(), code).await;
+    code
+}
+
+/// Claims and runs shards until none is left (0) or something ends the worker; with the
+/// outcome of the shard run that did, when one did.
+async fn work_through(
+    args: &RunArgs,
+    base: &RunOptions,
+    store: &Store,
+) -> (u8, Option<Box<Outcome>>) {
     let queue = Queue::new(store.job(&base.job));
     let worker = format!("{}-{}", hostname(), std::process::id());
     loop {
@@ -32,7 +68,7 @@ pub(crate) async fn run_queue(args: &RunArgs, base: RunOptions, store: Store) ->
             Ok(l) => l,
             Err(e) => {
                 error!("failed to claim a shard: {e}");
-                return exit_code::SETUP_FAILED;
+                return (exit_code::SETUP_FAILED, None);
             }
         };
         let seen = queue.seen();
@@ -57,24 +93,25 @@ pub(crate) async fn run_queue(args: &RunArgs, base: RunOptions, store: Store) ->
                         counts.failed
                     );
                 }
-                return 0;
+                return (0, None);
             }
             // Others hold the rest; their leases may expire or be released: look again soon.
             if wait_or_stop(WAIT_FOR_OTHERS).await {
-                return exit_code::PREEMPTED;
+                return (exit_code::PREEMPTED, None);
             }
             continue;
         };
-        match run_shard(args, &base, &store, lease).await {
+        match run_shard(args, base, store, lease).await {
             ShardEnd::Next => {}
-            ShardEnd::Exit(code) => return code,
+            ShardEnd::Exit(code, outcome) => return (code, outcome),
         }
     }
 }
 
 enum ShardEnd {
     Next,
-    Exit(u8),
+    /// The worker stops, with the shard run's outcome when it ran.
+    Exit(u8, Option<Box<Outcome>>),
 }
 
 async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Lease) -> ShardEnd {
@@ -106,7 +143,7 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
         .and_then(|()| std::fs::write(&progress_file, ""));
     if let Err(e) = written {
         error!("failed to prepare {}: {e}", dir.display());
-        return ShardEnd::Exit(exit_code::SETUP_FAILED);
+        return ShardEnd::Exit(exit_code::SETUP_FAILED, None);
     }
 
     // Checkpoints and resume are the shard's own.
@@ -157,9 +194,11 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
         stop_rx,
     ));
 
+    // Earlier shards are done: nothing before this one started can be lost.
+    base.stats.work_saved(SystemTime::now());
     let outputs = match crate::start_outputs(args, &store.job(&base.job)) {
         Ok(o) => o,
-        Err(code) => return ShardEnd::Exit(code),
+        Err(code) => return ShardEnd::Exit(code, None),
     };
     let result = spotguard_session::run(opts).await;
     let outputs_failed = crate::finish_outputs(outputs).await;
@@ -178,11 +217,18 @@ async fn run_shard(args: &RunArgs, base: &RunOptions, store: &Store, lease: Leas
     match result {
         Ok(o) if o.preempted.is_some() => {
             settle("released with its progress", lease.release(&done).await);
-            ShardEnd::Exit(if o.upload_failed() {
+            // The items recorded are not lost: they count as saved when last recorded.
+            if !done.is_empty()
+                && let Ok(t) = std::fs::metadata(&progress_file).and_then(|m| m.modified())
+            {
+                base.stats.work_saved(t);
+            }
+            let code = if o.upload_failed() {
                 exit_code::UPLOAD_FAILED
             } else {
                 exit_code::PREEMPTED
-            })
+            };
+            ShardEnd::Exit(code, Some(Box::new(o)))
         }
         Ok(o) if o.end.success() && !o.upload_failed() && !outputs_failed => {
             let result = lease.done(&done).await;

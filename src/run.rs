@@ -208,13 +208,13 @@ pub(crate) fn checkpoints(
 
 /// Where this attempt's share of the run's measurements begins (a restart is a new attempt).
 #[derive(Clone, Copy, Debug)]
-struct Since {
+pub(crate) struct Since {
     commits: usize,
     idle: usize,
 }
 
 impl Since {
-    fn now(stats: &Stats) -> Since {
+    pub(crate) fn now(stats: &Stats) -> Since {
         Since {
             commits: stats.commit_count(),
             idle: stats.idle_count(),
@@ -222,9 +222,10 @@ impl Since {
     }
 
     /// Copies this attempt's measurements into its record.
-    fn fill(self, a: &mut Attempt, stats: &Stats) {
+    pub(crate) fn fill(self, a: &mut Attempt, stats: &Stats) {
         a.checkpoints = stats.commits_since(self.commits);
         a.idle = stats.idle_events_since(self.idle);
+        a.work_saved_at = stats.work_saved_at().map(spotguard_stats::timestamp);
         if let Some(id) = stats.instance() {
             a.instance = Instance {
                 hostname: std::mem::take(&mut a.instance.hostname),
@@ -236,7 +237,12 @@ impl Since {
 
 /// Refreshes a running attempt's record so `status` can tell running from crashed, and
 /// records what changed (a commit, the instance's identity, an idle firing) soon after.
-async fn heartbeat(job: JobStore, mut attempt: Attempt, stats: Arc<Stats>, since: Since) {
+pub(crate) async fn heartbeat(
+    job: JobStore,
+    mut attempt: Attempt,
+    stats: Arc<Stats>,
+    since: Since,
+) {
     loop {
         tokio::select! {
             () = tokio::time::sleep(HEARTBEAT) => {}
@@ -249,14 +255,21 @@ async fn heartbeat(job: JobStore, mut attempt: Attempt, stats: Arc<Stats>, since
     }
 }
 
-/// Records how the attempt ended; marks the job completed when the command succeeded.
-async fn finish_attempt(job: &JobStore, a: &mut Attempt, outcome: Option<&Outcome>, code: u8) {
+/// Records how the attempt ended; marks the job completed when the command succeeded (for a
+/// queue worker: exit 0, the queue is drained).
+pub(crate) async fn finish_attempt(
+    job: &JobStore,
+    a: &mut Attempt,
+    outcome: Option<&Outcome>,
+    code: u8,
+) {
     let now = SystemTime::now();
     a.ended = Some(humantime::format_rfc3339_millis(now).to_string());
     a.exit_status = Some(code);
     a.outcome = match outcome {
         Some(o) if o.preempted.is_some() => AttemptOutcome::Preempted,
         Some(o) if o.end.success() && !o.upload_failed() => AttemptOutcome::Completed,
+        None if code == 0 => AttemptOutcome::Completed,
         _ => AttemptOutcome::Failed,
     };
     a.final_upload_seconds = outcome.and_then(|o| {

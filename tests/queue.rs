@@ -96,7 +96,7 @@ fn worker(
 
 /// Records each item before announcing it, so an announced item is never redone.
 const WORK: &str = r#"trap 'exit 0' TERM
-while read i; do echo "$i" >> "$SPOTGUARD_PROGRESS_FILE"; echo "did $SPOTGUARD_SHARD_ID:$i"; [ -n "$SLOW" ] && sleep 0.3; done < "$SPOTGUARD_SHARD_ITEMS""#;
+while read i; do echo "$i" >> "$SPOTGUARD_PROGRESS_FILE"; echo "did $SPOTGUARD_SHARD_ID:$i"; [ -n "$SLOW" ] && sleep "$SLOW"; done < "$SPOTGUARD_SHARD_ITEMS""#;
 
 /// `queue create --range RANGE --shard-size SIZE` on `store`, which must succeed.
 fn create_queue(state: &Path, store: &str, range: &str, size: &str) {
@@ -154,6 +154,7 @@ fn a_preempted_worker_releases_its_shard_with_progress() {
     let s = store.path().to_str().expect("utf-8");
     create_queue(setup.path(), s, "1..=6", "6");
     let (_a, mut a) = worker(store.path(), WORK, &["--lease-ttl", "1h"]);
+    // Each item takes a second after it is recorded.
     a.env("SLOW", "1");
     let a = Proc::start(a);
     a.expect_stdout("did 0:2");
@@ -182,6 +183,24 @@ fn a_preempted_worker_releases_its_shard_with_progress() {
         .collect();
     all.sort_unstable();
     assert_eq!(all, (1..=6).collect::<Vec<_>>());
+
+    // Each worker is an attempt in the job's ledger; the preempted one lost only the item in
+    // flight (recorded items are saved), not the shard's whole run: under the second item 1
+    // took, where losing from the shard's start would be over it.
+    let r = run_to_end(setup.path(), &["report", "--store", s, "--json"]);
+    assert_eq!(r.code(), 0, "{}", r.stderr);
+    let r: serde_json::Value = serde_json::from_str(&r.stdout).expect("report JSON");
+    assert_eq!(r["totals"]["attempts"], 2, "{r}");
+    assert_eq!(r["totals"]["preemptions"], 1, "{r}");
+    assert_eq!(r["totals"]["completed"], true, "{r}");
+    let first = &r["attempts"][0];
+    assert_eq!(first["outcome"], "preempted", "{first}");
+    assert_eq!(first["notice"]["source"], "signal SIGTERM", "{first}");
+    let lost = first["lost"].as_f64().expect("lost");
+    assert!((0.0..0.9).contains(&lost), "lost {lost}s: {first}");
+    // The drained queue marks the job completed.
+    let st = run_to_end(setup.path(), &["status", "--store", s]);
+    assert_eq!(st.code(), 0, "{}", st.stdout);
 }
 
 #[test]

@@ -42,6 +42,7 @@ struct Inner {
     queue: Option<QueueCounts>,
     shards_done: u64,
     started: Option<SystemTime>,
+    work_saved_at: Option<SystemTime>,
 }
 
 /// The run's measurements. Shared as `Arc<Stats>`.
@@ -119,6 +120,16 @@ impl Stats {
 
     pub fn set_queue(&self, counts: QueueCounts) {
         self.with(|i| i.queue = Some(counts));
+    }
+
+    /// Nothing done before `t` can be lost any more (a queue shard started, or recorded an
+    /// item).
+    pub fn work_saved(&self, t: SystemTime) {
+        self.with(|i| i.work_saved_at = i.work_saved_at.max(Some(t)));
+    }
+
+    pub fn work_saved_at(&self) -> Option<SystemTime> {
+        self.with(|i| i.work_saved_at)
     }
 
     pub fn shard_done(&self) {

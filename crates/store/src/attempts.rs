@@ -132,6 +132,10 @@ pub struct Attempt {
     pub checkpoints: Vec<CommitRecord>,
     #[serde(default)]
     pub idle: Vec<IdleRecord>,
+    /// Nothing done before this can be lost (a queue worker: when its current shard started,
+    /// or the shard's last recorded item).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_saved_at: Option<String>,
 }
 
 /// A running attempt's record is refreshed this often...
@@ -167,24 +171,26 @@ impl Attempt {
             final_upload_seconds: None,
             checkpoints: Vec::new(),
             idle: Vec::new(),
+            work_saved_at: None,
         }
     }
 
     /// Work this attempt did that no checkpoint saved, up to `until` (the notice, the failure,
     /// the last heartbeat of a crash): from the newest checkpoint it took (written, not
-    /// committed: one committed during the final flush still saved the work before it) to
-    /// `until`, else from when the command started (after the restore).
+    /// committed: one committed during the final flush still saved the work before it) or
+    /// `work_saved_at` to `until`, else from when the command started (after the restore).
     pub fn lost_until(&self, until: SystemTime) -> f64 {
         let started = humantime::parse_rfc3339(&self.started)
             .ok()
             .map(|t| t + Duration::from_secs_f64(self.restore_seconds.unwrap_or(0.0).max(0.0)));
-        let taken = self
+        let saved = self
             .checkpoints
             .iter()
             .filter_map(|c| c.taken_at())
+            .chain(self.work_saved_at.as_deref().and_then(parse_time))
             .filter(|t| *t <= until)
             .max();
-        taken
+        saved
             .max(started)
             .and_then(|from| until.duration_since(from).ok())
             .map_or(0.0, |d| d.as_secs_f64())
