@@ -138,15 +138,7 @@ impl NoticeSource for Aws {
 
     fn identity(&self) -> BoxFuture<'_, crate::Identity> {
         Box::pin(async move {
-            let get = |p: &'static str| async move {
-                self.imds
-                    .get(&format!("latest/meta-data/{p}"))
-                    .await
-                    .ok()
-                    .flatten()
-                    .map(|v| v.trim().to_owned())
-                    .filter(|v| !v.is_empty())
-            };
+            let get = |key: &'static str| self.imds.meta_value(key);
             let (instance_id, instance_type, zone, lifecycle) = tokio::join!(
                 get("instance-id"),
                 get("instance-type"),

@@ -151,6 +151,17 @@ impl Imds {
         }
     }
 
+    /// `latest/meta-data/<key>`, trimmed; `None` when absent, empty or unreadable (identity
+    /// is best effort).
+    pub(crate) async fn meta_value(&self, key: &str) -> Option<String> {
+        self.get(&format!("latest/meta-data/{key}"))
+            .await
+            .ok()
+            .flatten()
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    }
+
     /// GETs `path`: `Some(body)` on 200, `None` on 404 (nothing pending). A 401 means the token
     /// expired or is missing: renew it and retry once.
     pub(crate) async fn get(&self, path: &str) -> Result<Option<String>, Error> {

@@ -96,15 +96,7 @@ impl NoticeSource for TerminationTime {
 
     fn identity(&self) -> BoxFuture<'_, crate::Identity> {
         Box::pin(async move {
-            let get = |p: &'static str| async move {
-                self.imds
-                    .get(&format!("latest/meta-data/{p}"))
-                    .await
-                    .ok()
-                    .flatten()
-                    .map(|v| v.trim().to_owned())
-                    .filter(|v| !v.is_empty())
-            };
+            let get = |key: &'static str| self.imds.meta_value(key);
             match self.cloud {
                 Cloud::Aliyun => {
                     let (instance_id, instance_type, zone) = tokio::join!(

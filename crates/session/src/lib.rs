@@ -214,7 +214,7 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
         .map(|o| AbortOnDrop(tokio::spawn(idle::watch(o, opts.stats.clone()))));
     let (tx, mut notices) = mpsc::channel::<Notice>(16);
     let watched: Arc<OnceLock<Arc<dyn NoticeSource>>> = Arc::new(OnceLock::new());
-    start_sources(&opts, tx, &watched);
+    let identity = start_sources(&opts, tx, &watched);
 
     let mut run = Running {
         opts: &opts,
@@ -260,6 +260,12 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
     };
 
     let flushed_at = SystemTime::now();
+    // The ledger wants the machine's identity; a short run may end before the look-up does.
+    if let Some(h) = identity
+        && !h.is_finished()
+    {
+        let _ = tokio::time::timeout(Duration::from_secs(1), h).await;
+    }
     let Some(stop) = stop else {
         return Ok(Outcome {
             end,
@@ -315,7 +321,7 @@ impl Drop for AbortOnDrop {
 }
 
 /// Asks the watched metadata service what this machine is, for the ledger.
-fn learn_identity(source: Arc<dyn NoticeSource>, stats: Arc<Stats>) {
+fn learn_identity(source: Arc<dyn NoticeSource>, stats: Arc<Stats>) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let id = match tokio::time::timeout(Duration::from_secs(10), source.identity()).await {
             Ok(id) => id,
@@ -330,7 +336,7 @@ fn learn_identity(source: Arc<dyn NoticeSource>, stats: Arc<Stats>) {
             zone: id.zone,
             lifecycle: id.lifecycle,
         });
-    });
+    })
 }
 
 /// The tokio instant of a wall-clock deadline.
@@ -358,12 +364,13 @@ fn log_flush(r: &FlushReport) {
     }
 }
 
-/// Starts the notice sources in the background: nothing here may delay the command.
+/// Starts the notice sources in the background: nothing here may delay the command. Returns
+/// the look-up of the machine's identity when the cloud is known up front.
 fn start_sources(
     opts: &RunOptions,
     tx: mpsc::Sender<Notice>,
     watched: &Arc<OnceLock<Arc<dyn NoticeSource>>>,
-) {
+) -> Option<tokio::task::JoinHandle<()>> {
     for source in &opts.sources {
         tokio::spawn(source.clone().watch(tx.clone()));
     }
@@ -379,13 +386,17 @@ fn start_sources(
         tokio::spawn(sim.watch(tx.clone()));
     }
     match opts.cloud {
-        CloudChoice::None => debug!("cloud notices off (--cloud none)"),
+        CloudChoice::None => {
+            debug!("cloud notices off (--cloud none)");
+            None
+        }
         CloudChoice::Only(cloud) => {
             let source = spotguard_notice::cloud_source(cloud, &opts.endpoints, &opts.watch);
             info!(%cloud, endpoint = %opts.endpoints.get(cloud), "watching the metadata service for preemption notices");
             let _ = watched.set(source.clone());
-            learn_identity(source.clone(), opts.stats.clone());
+            let identity = learn_identity(source.clone(), opts.stats.clone());
             tokio::spawn(source.watch(tx));
+            Some(identity)
         }
         CloudChoice::Auto => {
             let (endpoints, watch, timeout) = (
@@ -399,7 +410,8 @@ fn start_sources(
                 match spotguard_notice::detect(&endpoints, &watch, timeout).await {
                     Some(source) => {
                         let _ = watched.set(source.clone());
-                        learn_identity(source.clone(), stats);
+                        // Detached: the run does not wait for it (detection took long already).
+                        drop(learn_identity(source.clone(), stats));
                         source.watch(tx).await;
                     }
                     None => info!(
@@ -407,6 +419,7 @@ fn start_sources(
                     ),
                 }
             });
+            None
         }
     }
 }
