@@ -148,6 +148,17 @@ impl Store {
         };
         let config_err =
             |k: &str, e: object_store::Error| bad(format!("bad store option {k}: {e}"));
+        // The three builders share no trait: this applies `--store-option`s and builds.
+        macro_rules! build {
+            ($b:expr) => {{
+                let mut b = $b;
+                for (k, v) in &opts.config {
+                    b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
+                }
+                let built = Arc::new(b.build().map_err(|e| bad(one_line(&e)))?);
+                (built.clone(), built)
+            }};
+        }
         let (inner, multipart): (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>) = match scheme {
             "s3" | "s3a" => {
                 let mut b = AmazonS3Builder::from_env()
@@ -165,40 +176,20 @@ impl Store {
                 if let Ok(imds) = std::env::var("AWS_EC2_METADATA_SERVICE_ENDPOINT") {
                     b = b.with_metadata_endpoint(imds);
                 }
-                for (k, v) in &opts.config {
-                    b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
-                }
-                {
-                    let built = Arc::new(b.build().map_err(|e| bad(one_line(&e)))?);
-                    (built.clone(), built)
-                }
+                build!(b)
             }
-            "gs" => {
-                let mut b = GoogleCloudStorageBuilder::from_env()
+            "gs" => build!(
+                GoogleCloudStorageBuilder::from_env()
                     .with_url(url)
                     .with_client_options(client)
-                    .with_retry(retry);
-                for (k, v) in &opts.config {
-                    b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
-                }
-                {
-                    let built = Arc::new(b.build().map_err(|e| bad(one_line(&e)))?);
-                    (built.clone(), built)
-                }
-            }
-            "az" | "azure" | "abfs" | "abfss" => {
-                let mut b = MicrosoftAzureBuilder::from_env()
+                    .with_retry(retry)
+            ),
+            "az" | "azure" | "abfs" | "abfss" => build!(
+                MicrosoftAzureBuilder::from_env()
                     .with_url(url)
                     .with_client_options(client)
-                    .with_retry(retry);
-                for (k, v) in &opts.config {
-                    b = b.with_config(k.parse().map_err(|e| config_err(k, e))?, v);
-                }
-                {
-                    let built = Arc::new(b.build().map_err(|e| bad(one_line(&e)))?);
-                    (built.clone(), built)
-                }
-            }
+                    .with_retry(retry)
+            ),
             other => {
                 return Err(bad(format!(
                     "unknown scheme {other}:// (expected s3, gs, az, file or a path)"
