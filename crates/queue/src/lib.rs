@@ -256,15 +256,17 @@ impl Queue {
         let rest: Vec<u32> = (0..meta.shards)
             .filter(|id| !done.contains(id) && !failed.contains(id))
             .collect();
+        let unmarked = rest.len();
+        let read = self.read_states(rest).await?;
+        // Never claimed: no state object, pending.
         let mut c = Counts {
             done: done.iter().filter(|&&id| id < meta.shards).count() as u32,
             failed: failed.iter().filter(|&&id| id < meta.shards).count() as u32,
-            pending: (rest.len()) as u32,
+            pending: (unmarked - read.len()) as u32,
             ..Counts::default()
         };
         let now = now_ms();
-        for (_, s) in self.read_states(rest).await? {
-            c.pending -= 1;
+        for (_, s) in read {
             match s.phase_at(now) {
                 Phase::Pending => c.pending += 1,
                 Phase::Leased => c.leased += 1,
@@ -361,10 +363,10 @@ impl Queue {
             )?;
             let mut view = self.view.lock().expect("claim view");
             for id in done {
-                view.finished(id, Seen::Done);
+                view.set(id, Seen::Done);
             }
             for id in failed {
-                view.finished(id, Seen::Failed);
+                view.set(id, Seen::Failed);
             }
         }
         if near.is_some() {
@@ -490,10 +492,6 @@ impl ClaimView {
         if let Some(s) = self.seen.get_mut(id as usize) {
             *s = seen;
         }
-    }
-
-    fn finished(&mut self, id: u32, seen: Seen) {
-        self.set(id, seen);
     }
 
     fn busy(&mut self, id: u32) {
@@ -740,7 +738,7 @@ mod tests {
                 match id % 3 {
                     0 => v.claimed(id),
                     1 => v.busy(id),
-                    _ => v.finished(id, Seen::Done),
+                    _ => v.set(id, Seen::Done),
                 }
                 picked += 1;
                 assert!(picked <= shards, "picked more than {shards} shards");

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use crate::{AttemptRow, Report, duration, size};
+use crate::{Report, duration, size};
 use spotguard_store::AttemptOutcome;
 
 const LANE: f64 = 34.0;
@@ -52,9 +52,9 @@ impl Report {
                 "<tr><td>{}</td><td class=\"{}\">{}</td><td>{}</td><td>{}</td><td>{}</td>\
                  <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 esc(&r.started),
-                outcome_name(r.outcome),
-                outcome_name(r.outcome),
-                esc(&machine(r)),
+                r.outcome_name(),
+                r.outcome_name(),
+                esc(&r.machine()),
                 esc(r.zone.as_deref().unwrap_or("")),
                 duration(r.wall),
                 duration(r.restore),
@@ -107,13 +107,13 @@ impl Report {
             let _ = write!(
                 o,
                 "<g class=\"lane\" data-outcome=\"{}\"><text x=\"4\" y=\"{:.1}\" class=\"label\">{}</text>",
-                outcome_name(r.outcome),
+                r.outcome_name(),
                 y + h * 0.7,
                 esc(&format!(
                     "#{} {} · {}",
                     i + 1,
-                    machine(r),
-                    outcome_name(r.outcome)
+                    r.machine(),
+                    r.outcome_name()
                 ))
             );
             let t0 = r.start_offset;
@@ -244,24 +244,6 @@ impl Report {
         );
         o.push_str("</svg>");
         o
-    }
-}
-
-fn machine(r: &AttemptRow) -> String {
-    match (&r.instance_type, &r.lifecycle) {
-        (Some(t), Some(l)) => format!("{t} ({l})"),
-        (Some(t), None) => t.clone(),
-        _ => r.host.clone(),
-    }
-}
-
-fn outcome_name(o: AttemptOutcome) -> &'static str {
-    match o {
-        AttemptOutcome::Running => "running",
-        AttemptOutcome::Completed => "completed",
-        AttemptOutcome::Preempted => "preempted",
-        AttemptOutcome::Failed => "failed",
-        AttemptOutcome::Crashed => "crashed",
     }
 }
 

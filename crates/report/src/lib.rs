@@ -59,6 +59,27 @@ pub struct AttemptRow {
     pub cost: Option<f64>,
 }
 
+impl AttemptRow {
+    /// `g5.xlarge (spot)`, else the host name.
+    pub fn machine(&self) -> String {
+        match (&self.instance_type, &self.lifecycle) {
+            (Some(t), Some(l)) => format!("{t} ({l})"),
+            (Some(t), None) => t.clone(),
+            _ => self.host.clone(),
+        }
+    }
+
+    pub fn outcome_name(&self) -> &'static str {
+        match self.outcome {
+            AttemptOutcome::Running => "running",
+            AttemptOutcome::Completed => "completed",
+            AttemptOutcome::Preempted => "preempted",
+            AttemptOutcome::Failed => "failed",
+            AttemptOutcome::Crashed => "crashed",
+        }
+    }
+}
+
 /// A checkpoint on the timeline.
 #[derive(Clone, Debug, Serialize)]
 pub struct Tick {

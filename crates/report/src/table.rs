@@ -150,11 +150,6 @@ impl Report {
             "STARTED", "OUTCOME", "MACHINE", "WALL", "RESTORE", "LOST", "CKPTS"
         );
         for r in &self.attempts {
-            let machine = match (&r.instance_type, &r.lifecycle) {
-                (Some(t), Some(l)) => format!("{t} {l}"),
-                (Some(t), None) => t.clone(),
-                _ => r.host.clone(),
-            };
             let notice = r.notice.as_ref().map_or(String::new(), |n| {
                 format!(
                     "{}{}{}",
@@ -168,16 +163,12 @@ impl Report {
                     }
                 )
             });
-            let outcome = serde_json::to_value(r.outcome)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default();
             let _ = writeln!(
                 o,
                 "  {:<20}  {:<10}  {:<18}  {:>8}  {:>8}  {:>8}  {:>5}  {}",
                 short_time(&r.started),
-                outcome,
-                machine,
+                r.outcome_name(),
+                r.machine(),
                 duration(r.wall),
                 duration(r.restore),
                 duration(r.lost),
