@@ -7,6 +7,7 @@
 //! CPU comes from `/proc/PID/stat` of every process below us; GPU utilisation from
 //! `nvidia-smi` when it is on the PATH (a machine without it is "CPU only").
 
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -14,6 +15,7 @@ use spotguard_stats::Stats;
 use spotguard_store::IdleRecord;
 use spotguard_supervise::humanize;
 use tokio::process::Command;
+use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 /// When the watchdog fires and what it does then.
@@ -46,8 +48,9 @@ impl IdleOptions {
 /// count), the highest GPU utilisation seen in it.
 type Stretch = (SystemTime, tokio::time::Instant, (f64, u32), Option<f64>);
 
-/// Watches until dropped (the session aborts it when the command exits).
-pub(crate) async fn watch(opts: IdleOptions, stats: Arc<Stats>) {
+/// Watches until `stop` is notified (the command exited). An `--on-idle` command already
+/// running is waited for, so its exit status reaches the ledger.
+pub(crate) async fn watch(opts: IdleOptions, stats: Arc<Stats>, stop: Arc<Notify>) {
     let sample = opts.sample.unwrap_or_else(|| {
         (opts.timeout / 10).clamp(Duration::from_secs(1), Duration::from_secs(30))
     });
@@ -60,7 +63,10 @@ pub(crate) async fn watch(opts: IdleOptions, stats: Arc<Stats>) {
     let mut idle: Option<Stretch> = None;
     let mut fired = false;
     loop {
-        tokio::time::sleep(sample).await;
+        tokio::select! {
+            () = tokio::time::sleep(sample) => {}
+            () = stop.notified() => return,
+        }
         let now = (
             tokio::time::Instant::now(),
             spotguard_supervise::tree_cpu_ticks(),
@@ -104,32 +110,29 @@ pub(crate) async fn watch(opts: IdleOptions, stats: Arc<Stats>) {
                 ""
             }
         );
-        let mut rec = IdleRecord {
+        // Recorded before --on-idle runs: the firing counts even if the run ends meanwhile.
+        let firing = stats.idle_fired(IdleRecord {
             since: spotguard_stats::timestamp(*since),
             fired: spotguard_stats::timestamp(SystemTime::now()),
             cpu_percent: avg_cpu,
             gpu_percent: *max_gpu,
             on_idle_status: None,
-        };
+        });
         if let Some(cmd) = &opts.on_idle {
-            match Command::new("sh")
-                .arg("-c")
+            let mut sh = Command::new("sh");
+            sh.arg("-c")
                 .arg(cmd)
-                .env("SPOTGUARD_IDLE_SECONDS", idle_for.as_secs().to_string())
-                .kill_on_drop(false)
-                .status()
-                .await
-            {
-                Ok(st) => {
-                    rec.on_idle_status = st.code();
-                    if !st.success() {
-                        warn!("--on-idle command exited with {st}");
+                .env("SPOTGUARD_IDLE_SECONDS", idle_for.as_secs().to_string());
+            match spotguard_supervise::run_helper(sh).await {
+                Ok(out) => {
+                    stats.on_idle_ran(firing, out.status.code());
+                    if !out.status.success() {
+                        warn!("--on-idle command exited with {}", out.status);
                     }
                 }
                 Err(e) => warn!("failed to run --on-idle: {e}"),
             }
         }
-        stats.idle_fired(rec);
     }
 }
 
@@ -167,15 +170,18 @@ impl Gpus {
         if self.absent {
             return None;
         }
+        let mut smi = Command::new("nvidia-smi");
+        smi.args([
+            "--query-gpu=utilization.gpu",
+            "--format=csv,noheader,nounits",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
         let out = tokio::time::timeout(
             Duration::from_secs(10),
-            Command::new("nvidia-smi")
-                .args([
-                    "--query-gpu=utilization.gpu",
-                    "--format=csv,noheader,nounits",
-                ])
-                .kill_on_drop(true)
-                .output(),
+            spotguard_supervise::run_helper(smi),
         )
         .await;
         let max = match out {

@@ -208,10 +208,14 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
         info!(dir = %c.dir.display(), store = %c.store.url(), "checkpoints are uploaded as they complete");
     }
 
-    let idle = opts
-        .idle
-        .clone()
-        .map(|o| AbortOnDrop(tokio::spawn(idle::watch(o, opts.stats.clone()))));
+    let idle_stop = Arc::new(tokio::sync::Notify::new());
+    let mut idle = opts.idle.clone().map(|o| {
+        AbortOnDrop(tokio::spawn(idle::watch(
+            o,
+            opts.stats.clone(),
+            idle_stop.clone(),
+        )))
+    });
     let (tx, mut notices) = mpsc::channel::<Notice>(16);
     let watched: Arc<OnceLock<Arc<dyn NoticeSource>>> = Arc::new(OnceLock::new());
     let identity = start_sources(&opts, tx, &watched);
@@ -240,7 +244,7 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
     });
     sup.finish(opts.stop_signal.unwrap_or(Signal::SIGTERM), linger)
         .await;
-    drop(idle);
+    idle_stop.notify_one();
 
     let exited_at = SystemTime::now();
 
@@ -260,6 +264,12 @@ pub async fn run(opts: RunOptions) -> Result<Outcome, Error> {
     };
 
     let flushed_at = SystemTime::now();
+    // After the flush, so the upload never waits: an --on-idle run in progress may finish and
+    // have its status recorded (bounded; dropping the handle aborts the rest).
+    if let Some(AbortOnDrop(h)) = &mut idle {
+        let _ = tokio::time::timeout(Duration::from_secs(5), h).await;
+    }
+    drop(idle);
     // The ledger wants the machine's identity; a short run may end before the look-up does.
     if let Some(h) = identity
         && !h.is_finished()

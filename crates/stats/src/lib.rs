@@ -104,11 +104,23 @@ impl Stats {
         self.with(|i| i.instance.clone())
     }
 
-    /// The idle watchdog fired.
-    pub fn idle_fired(&self, rec: IdleRecord) {
-        self.with(|i| {
+    /// The idle watchdog fired; returns the firing's index for [`Stats::on_idle_ran`].
+    pub fn idle_fired(&self, rec: IdleRecord) -> usize {
+        let index = self.with(|i| {
             i.idle_events.push(rec);
             i.idle_now = true;
+            i.idle_events.len() - 1
+        });
+        self.changed.notify_one();
+        index
+    }
+
+    /// `--on-idle` ran for firing `index` and exited with `status`.
+    pub fn on_idle_ran(&self, index: usize, status: Option<i32>) {
+        self.with(|i| {
+            if let Some(e) = i.idle_events.get_mut(index) {
+                e.on_idle_status = status;
+            }
         });
         self.changed.notify_one();
     }

@@ -9,29 +9,32 @@ use std::fs;
 
 use nix::unistd::Pid;
 
-/// Every live descendant of `root` (not `root` itself), parents before children.
-pub(crate) fn of(root: Pid) -> Vec<Pid> {
-    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
+/// Every process in /proc: (pid, parent pid, state).
+fn processes() -> Vec<(i32, i32, char)> {
     let Ok(entries) = fs::read_dir("/proc") else {
         return Vec::new();
     };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        // A process may exit between read_dir and this read: skip it.
-        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        if let Some((ppid, state)) = parse_stat(&stat) {
-            // Zombies are already dead: they only need reaping, not signals.
-            if state != 'Z' {
-                children.entry(ppid).or_default().push(pid);
-            }
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<i32>().ok()?;
+            // A process may exit between read_dir and this read: skip it.
+            let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let (ppid, state) = parse_stat(&stat)?;
+            Some((pid, ppid, state))
+        })
+        .collect()
+}
+
+/// Every live descendant of `root` (not `root` itself), parents before children; spotguard's
+/// own helpers and what they started are not the command's and are left out.
+pub(crate) fn of(root: Pid) -> Vec<Pid> {
+    let helpers = crate::helpers::registry().clone();
+    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
+    for (pid, ppid, state) in processes() {
+        // Zombies are already dead: they only need reaping, not signals.
+        if state != 'Z' && !helpers.contains(&pid) {
+            children.entry(ppid).or_default().push(pid);
         }
     }
     let mut out = Vec::new();
@@ -43,6 +46,15 @@ pub(crate) fn of(root: Pid) -> Vec<Pid> {
         }
     }
     out
+}
+
+/// The direct children of `root`, zombies included (they are the ones to reap).
+pub(crate) fn children(root: Pid) -> Vec<Pid> {
+    processes()
+        .into_iter()
+        .filter(|&(_, ppid, _)| ppid == root.as_raw())
+        .map(|(pid, _, _)| Pid::from_raw(pid))
+        .collect()
 }
 
 /// The fields of `/proc/PID/stat` after the command name (proc(5)), state first. The name is

@@ -6,10 +6,12 @@
 //! and none is left running when the command is over (the bug tini#180 and dumb-init#212 pin:
 //! an init that exits when its direct child does kills the rest abruptly instead of stopping it).
 //!
-//! Reaping uses `waitpid(-1)`, so this crate owns every child of the process: nothing else in
-//! spotguard may spawn processes through `tokio::process` or `std::process` and wait for them.
+//! Reaping uses `waitpid(-1)`, so this crate owns every child of the process: anything else
+//! spotguard runs for itself and waits for goes through [`run_helper`], whose children the
+//! reaper leaves alone (it then reaps child by child instead).
 
 mod descendants;
+mod helpers;
 mod signals;
 mod status;
 
@@ -27,6 +29,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+pub use helpers::run_helper;
 pub use nix::sys::signal::Signal;
 pub use signals::{FORWARDED, Signals};
 pub use status::ProcessEnd;
@@ -236,6 +239,11 @@ impl Supervisor {
 
     /// Collects every exited child without blocking (tini's `reap_zombies`).
     fn reap(&mut self) {
+        let helpers = helpers::registry();
+        if !helpers.is_empty() {
+            return self.reap_around(&helpers);
+        }
+        drop(helpers);
         loop {
             match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::StillAlive) => return,
@@ -259,6 +267,31 @@ impl Supervisor {
                 }
             }
         }
+    }
+
+    /// While helpers run: reaps each other child by pid, leaving the helpers' exit status to
+    /// whoever waits for them. Childless when only helpers are left.
+    fn reap_around(&mut self, helpers: &std::collections::BTreeSet<i32>) {
+        let mut left = 0;
+        for pid in descendants::children(nix::unistd::getpid()) {
+            if helpers.contains(&pid.as_raw()) {
+                continue;
+            }
+            match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => self.reaped(pid, ProcessEnd::Exited(code)),
+                Ok(WaitStatus::Signaled(pid, signal, core_dumped)) => self.reaped(
+                    pid,
+                    ProcessEnd::Signalled {
+                        signal,
+                        core_dumped,
+                    },
+                ),
+                // Gone meanwhile (reaped already, or not our child after all).
+                Err(Errno::ECHILD) => {}
+                _ => left += 1,
+            }
+        }
+        self.childless = left == 0;
     }
 
     fn reaped(&mut self, pid: Pid, end: ProcessEnd) {
