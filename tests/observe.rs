@@ -4,7 +4,6 @@
 mod support;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use support::{Proc, spotguard};
@@ -24,9 +23,10 @@ fn fake_gpus(dir: &Path, util: u32) -> String {
     )
 }
 
+/// `spotguard run` with a 2 s idle timeout whose `--on-idle` prints `on-idle ran after Ns`
+/// (spotguard's stdout is the command's and --on-idle's).
 fn watched(state: &Path, child: &str, path: Option<&str>) -> Proc {
     let store = state.join("store");
-    let fired = state.join("fired");
     let mut cmd = spotguard(state);
     cmd.args([
         "run",
@@ -37,11 +37,10 @@ fn watched(state: &Path, child: &str, path: Option<&str>) -> Proc {
         "--idle-timeout",
         "2s",
     ])
-    .arg("--on-idle")
-    .arg(format!(
-        "echo \"$SPOTGUARD_IDLE_SECONDS\" > {}",
-        fired.display()
-    ))
+    .args([
+        "--on-idle",
+        "echo \"on-idle ran after ${SPOTGUARD_IDLE_SECONDS}s\"",
+    ])
     .args(["--", "sh", "-c", child]);
     if let Some(p) = path {
         cmd.env("PATH", p);
@@ -56,22 +55,18 @@ fn fires_for_an_idle_command_runs_on_idle_and_records_it() {
     p.expect_stdout("ready");
     let line = p.expect_stderr("has been idle for");
     assert!(line.contains("no GPU"), "{line}");
-    // --on-idle ran (it runs before the firing is logged as recorded).
-    let fired = state.path().join("fired");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !fired.exists() {
-        assert!(Instant::now() < deadline, "--on-idle never ran");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let ran = p.expect_stdout("on-idle ran after");
     p.signal(Signal::SIGTERM);
     let f = p.finish();
     assert_eq!(f.code(), 75, "{}", f.stderr);
-    let secs: u64 = std::fs::read_to_string(&fired)
-        .expect("read")
+    let secs: u64 = ran
         .trim()
+        .trim_start_matches("on-idle ran after ")
+        .trim_end_matches('s')
         .parse()
         .expect("seconds");
     assert!(secs >= 2, "idle for {secs}s, timeout 2s");
+    assert_eq!(f.stdout.matches("on-idle ran").count(), 1, "{}", f.stdout);
     assert_eq!(
         f.stderr.matches("has been idle for").count(),
         1,
@@ -111,7 +106,7 @@ fn stays_quiet_for_a_busy_command() {
     let f = p.finish();
     assert_eq!(f.code(), 0, "{}", f.stderr);
     assert!(!f.stderr.contains("idle for"), "{}", f.stderr);
-    assert!(!state.path().join("fired").exists());
+    assert!(!f.stdout.contains("on-idle ran"), "{}", f.stdout);
 }
 
 #[test]
@@ -141,20 +136,12 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// Scrapes until `needle` shows up (the value changes as the run goes on).
-fn scrape_until(addr: &str, needle: &str) -> String {
-    let deadline = Instant::now() + support::TIMEOUT;
-    loop {
-        let (status, body) = support::http(addr, "GET", "/metrics", "");
-        if status == 200 && body.contains(needle) {
-            return body;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no {needle:?} in the metrics:\n{body}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+/// One scrape, which must succeed. Callers first await the log line that follows the update
+/// they look for (spotguard counts before it logs).
+fn scrape(addr: &str) -> String {
+    let (status, body) = support::http(addr, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{body}");
+    body
 }
 
 #[test]
@@ -171,11 +158,17 @@ while :; do sleep 30 & wait $!; done"#)
         .arg(state.path().join("go"));
     let p = Proc::start(cmd);
     p.expect_stdout("ready");
-    let body = scrape_until(&addr, "spotguard_checkpoints_committed_total 1");
+    p.expect_stderr("checkpoint committed");
+    let body = scrape(&addr);
+    assert!(
+        body.contains("spotguard_checkpoints_committed_total 1\n"),
+        "{body}"
+    );
     assert!(body.contains("spotguard_last_checkpoint_bytes 7"), "{body}");
     assert!(body.contains("spotguard_uploaded_bytes_total 7"), "{body}");
     p.signal(Signal::SIGTERM);
-    let body = scrape_until(&addr, "spotguard_notices_total{source=");
+    p.expect_stderr("preemption notice");
+    let body = scrape(&addr);
     assert!(body.contains("SIGTERM\",kind=\"terminate\"} 1"), "{body}");
 
     // The reference parser (prometheus_client, installed by scripts/test) accepts it whole.
