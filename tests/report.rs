@@ -63,6 +63,13 @@ fn write_ledger(store: &Path, job: &str) {
     }
 }
 
+/// `spotguard report --store STORE --job JOB EXTRA...`, run to its end.
+fn report(state: &Path, store: &str, job: &str, extra: &[&str]) -> support::Finished {
+    let mut args = vec!["report", "--store", store, "--job", job];
+    args.extend_from_slice(extra);
+    run_to_end(state, &args)
+}
+
 fn close(got: &Value, want: f64, what: &str) {
     let g = got
         .as_f64()
@@ -76,20 +83,11 @@ fn figures_match_a_scripted_ledger() {
     let store = state.path().join("store");
     write_ledger(&store, "ft");
     let s = store.to_str().expect("utf-8");
-    let f = run_to_end(
+    let f = report(
         state.path(),
-        &[
-            "report",
-            "--store",
-            s,
-            "--job",
-            "ft",
-            "--json",
-            "--price",
-            "1.0",
-            "--on-demand-price",
-            "3.0",
-        ],
+        s,
+        "ft",
+        &["--json", "--price", "1.0", "--on-demand-price", "3.0"],
     );
     assert_eq!(f.code(), 0, "{}", f.stderr);
     let r: Value = serde_json::from_str(&f.stdout).expect("report JSON");
@@ -152,19 +150,11 @@ fn figures_match_a_scripted_ledger() {
     );
 
     // The terminal table says the same.
-    let f = run_to_end(
+    let f = report(
         state.path(),
-        &[
-            "report",
-            "--store",
-            s,
-            "--job",
-            "ft",
-            "--price",
-            "1",
-            "--on-demand-price",
-            "3",
-        ],
+        s,
+        "ft",
+        &["--price", "1", "--on-demand-price", "3"],
     );
     assert_eq!(f.code(), 0, "{}", f.stderr);
     for needle in [
@@ -188,12 +178,7 @@ fn prices_by_instance_type_and_bad_input() {
     let prices = state.path().join("prices.txt");
     std::fs::write(&prices, "# type spot on-demand\ng5.xlarge 0.5 1.5\n* 9 9\n").expect("write");
     let p = prices.to_str().expect("utf-8");
-    let f = run_to_end(
-        state.path(),
-        &[
-            "report", "--store", s, "--job", "ft", "--json", "--prices", p,
-        ],
-    );
+    let f = report(state.path(), s, "ft", &["--json", "--prices", p]);
     assert_eq!(f.code(), 0, "{}", f.stderr);
     let r: Value = serde_json::from_str(&f.stdout).expect("JSON");
     close(
@@ -203,22 +188,16 @@ fn prices_by_instance_type_and_bad_input() {
     );
 
     std::fs::write(&prices, "g5.xlarge 0.5\n").expect("write");
-    let f = run_to_end(
-        state.path(),
-        &["report", "--store", s, "--job", "ft", "--prices", p],
-    );
+    let f = report(state.path(), s, "ft", &["--prices", p]);
     assert_eq!(f.code(), 2);
     assert!(
         f.stderr.contains("line 1") && f.stderr.trim().lines().count() == 1,
         "{}",
         f.stderr
     );
-    let f = run_to_end(
-        state.path(),
-        &["report", "--store", s, "--job", "ft", "--price", "1"],
-    );
+    let f = report(state.path(), s, "ft", &["--price", "1"]);
     assert_eq!(f.code(), 2, "{}", f.stderr);
-    let f = run_to_end(state.path(), &["report", "--store", s, "--job", "nope"]);
+    let f = report(state.path(), s, "nope", &[]);
     assert_eq!(f.code(), 3, "{}", f.stderr);
     assert!(f.stderr.contains("no attempts"), "{}", f.stderr);
 }
@@ -262,20 +241,11 @@ while :; do sleep 30 & wait $!; done"#);
     let f = p.finish();
     assert_eq!(f.code(), 75, "{cloud}: {}", f.stderr);
 
-    let f = run_to_end(
+    let f = report(
         state.path(),
-        &[
-            "report",
-            "--store",
-            s,
-            "--job",
-            "led",
-            "--json",
-            "--price",
-            "1",
-            "--on-demand-price",
-            "3",
-        ],
+        s,
+        "led",
+        &["--json", "--price", "1", "--on-demand-price", "3"],
     );
     assert_eq!(f.code(), 0, "{}", f.stderr);
     let r: Value = serde_json::from_str(&f.stdout).expect("JSON");
@@ -325,17 +295,11 @@ fn the_html_page_renders_in_headless_chromium() {
     let store = state.path().join("store");
     write_ledger(&store, "ft");
     let html = state.path().join("report.html");
-    let f = run_to_end(
+    let f = report(
         state.path(),
-        &[
-            "report",
-            "--store",
-            store.to_str().expect("utf-8"),
-            "--job",
-            "ft",
-            "--html",
-            html.to_str().expect("utf-8"),
-        ],
+        store.to_str().expect("utf-8"),
+        "ft",
+        &["--html", html.to_str().expect("utf-8")],
     );
     assert_eq!(f.code(), 0, "{}", f.stderr);
     let page = std::fs::read_to_string(&html).expect("page");
