@@ -10,8 +10,7 @@ use std::time::{Duration, SystemTime};
 use spotguard_notice::{BoxFuture, Notice, NoticeSource, Source};
 use spotguard_queue::{Error as QueueError, Lease, Queue};
 use spotguard_session::{Outcome, RunOptions};
-use spotguard_store::Store;
-use spotguard_store::{Attempt, Instance};
+use spotguard_store::{Attempt, Instance, Store};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::{error, info, warn};
@@ -80,7 +79,7 @@ async fn work_through(
         });
         let Some(lease) = lease else {
             // The claim just looked at every shard not known finished: what it saw is current.
-            let counts = queue.seen();
+            let counts = seen;
             if counts.pending == 0 && counts.leased == 0 {
                 info!(
                     done = counts.done,

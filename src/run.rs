@@ -1,11 +1,10 @@
 //! `spotguard run` around the session: resume, the attempt ledger, relaunches; and
 //! `spotguard status`, which reads the ledger.
 
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use spotguard_checkpoint::CheckpointOptions;
-use std::sync::Arc;
-
 use spotguard_session::{Checkpoints, Outcome, RunOptions, Stats};
 use spotguard_store::{
     Attempt, AttemptOutcome, CheckpointRef, HEARTBEAT, Instance, JobStore, Manifest, NoticeRecord,
@@ -62,14 +61,11 @@ pub(crate) async fn run_command(args: RunArgs) -> u8 {
         let mut restore_seconds = None;
         if !args.no_resume {
             let began = std::time::Instant::now();
-            let restored = restore_newest(&job, &dir).await;
-            if let Ok(Some(_)) = &restored {
-                let secs = began.elapsed().as_secs_f64();
-                base.stats.restored(secs);
-                restore_seconds = Some(secs);
-            }
-            match restored {
+            match restore_newest(&job, &dir).await {
                 Ok(Some((m, rep))) => {
+                    let secs = began.elapsed().as_secs_f64();
+                    base.stats.restored(secs);
+                    restore_seconds = Some(secs);
                     resume_env(&mut opts, &m, rep.path.clone());
                     resumed_from = Some(CheckpointRef {
                         seq: m.seq,
